@@ -1,0 +1,1 @@
+"""How you drive the pipeline: a chained Click CLI over the stages in `stages/`."""

@@ -1,0 +1,196 @@
+"""`pipeline`: a chained Click group. `pipeline train quantize report` runs the stages in order on
+one run; each stage also runs alone on the latest run or on `--run NAME`.
+
+Following Click's imagepipe example, each command only turns its flags into a stage config and
+returns a processor; the group's result callback applies the processors in order. Nothing here
+imports torch at module level, so `--help` is instant.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable
+
+import click
+
+from pipeline import config as cfg
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+Processor = tuple[str, Callable]
+
+
+class PipelineGroup(click.Group):
+    """Ends every failure with one line on stderr and an exit code: 2 for usage, 1 at runtime."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        argv = list(sys.argv[1:] if args is None else args)
+        if not standalone_mode:
+            return super().main(argv, prog_name, complete_var, standalone_mode, **extra)
+        debug = "--debug" in argv
+        try:
+            code = super().main(argv, prog_name or "pipeline", complete_var, False, **extra)
+        except click.ClickException as exc:
+            _fail(exc.format_message(), exc.exit_code)
+        except click.Abort:
+            _fail("aborted", 1)
+        except KeyboardInterrupt:
+            _fail("interrupted; files already written are complete, the rest were not written", 130)
+        except Exception as exc:
+            from stages.errors import PipelineError
+
+            if debug:
+                raise
+            if isinstance(exc, PipelineError):
+                _fail(str(exc), exc.exit_code)
+            _fail(f"{type(exc).__name__}: {exc} (run again with --debug for the traceback)", 1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"pipeline: error: {' '.join(str(message).split())}", err=True)
+    sys.exit(code)
+
+
+def _build(ctx: click.Context, stage: str, flags: dict):
+    """Defaults < --config file < flags; a config error is a usage error (exit 2)."""
+    try:
+        return cfg.build_config(stage, ctx.obj["file"].get(stage, {}), flags)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+@click.group(cls=PipelineGroup, chain=True, context_settings=CONTEXT)
+@click.option("--artifacts-dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("artifacts"), show_default=True, envvar="PIPELINE_ARTIFACTS_DIR",
+              help="Folder that holds runs/ and the pointer to the latest run.")
+@click.option("--run", "run_name", metavar="NAME",
+              help="Run to work on. train: name of the new run (default: a timestamp); "
+                   "other stages: an existing run (default: the latest).")
+@click.option("--device", type=click.Choice(cfg.DEVICES), default="auto", show_default=True,
+              help="Where to train; reports always measure on the CPU.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seeds initial weights, data order, splits and calibration samples.")
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False,
+              path_type=Path), help="TOML file with [train], [quantize], [report] tables.")
+@click.option("--quiet", is_flag=True, help="No progress bars or per-epoch lines.")
+@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
+@click.pass_context
+def cli(ctx: click.Context, artifacts_dir, run_name, device, seed, config_file, quiet, debug):
+    """Train an image classifier with mixed precision, quantize it to int8 and report, with
+    measured numbers, what each step bought.
+
+    \b
+    pipeline train quantize report              whole chain on the built-in digits data
+    pipeline quantize --methods torch-static    on the latest run
+    pipeline --run NAME report --batch-sizes 1,8
+    """
+    try:
+        file_values = cfg.read_config_file(config_file) if config_file else {}
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    ctx.obj = {"file": file_values, "seed": seed, "device": device, "quiet": quiet}
+
+
+@cli.result_callback()
+@click.pass_context
+def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Path,
+              run_name: str | None, **_: object) -> None:
+    """Open (or, for train, create) the run once, then apply every stage to it in order."""
+    from stages import artifacts
+
+    if not processors:
+        return
+    run = None
+    if processors[0][0] != "train":
+        run = artifacts.open_run(artifacts_dir, run_name)  # fails before any work starts
+    for stage, process in processors:
+        if stage == "train":
+            run = artifacts.create_run(artifacts_dir, run_name)
+            click.echo(f"run {run.name}: {run.root}", err=True)
+        process(run)
+
+
+@cli.command(context_settings=CONTEXT)
+@click.option("--model", help="smallcnn or any torchvision classification model.  [default: resnet18]")
+@click.option("--dataset", type=click.Choice(cfg.DATASET_NAMES), help="[default: digits]")
+@click.option("--image-size", type=int, help="Side of the square input in pixels.  [default: 32]")
+@click.option("--epochs", type=int, help="[default: 10]")
+@click.option("--batch-size", type=int, help="[default: 64]")
+@click.option("--lr", type=float, help="Peak learning rate of SGD (cosine, warm-up).  [default: 0.05]")
+@click.option("--weight-decay", type=float, help="[default: 5e-4]")
+@click.option("--label-smoothing", type=float, help="[default: 0]")
+@click.option("--grad-clip", type=float, help="Max gradient norm, 0 for none (clips after "
+              "unscaling).  [default: 0]")
+@click.option("--precision", type=click.Choice(cfg.PRECISIONS),
+              help="Autocast type of the amp model; auto: fp16+GradScaler on CUDA, bf16 on CPU.")
+@click.option("--baseline/--no-baseline", default=None, help="Also train the fp32 baseline.  "
+              "[default: baseline]")
+@click.pass_context
+def train(ctx: click.Context, **flags) -> Processor:
+    """Train the `amp` model and the `fp32` baseline; save fp32 master-weight checkpoints."""
+    flags |= {"seed": ctx.obj["seed"], "device": ctx.obj["device"], "quiet": ctx.obj["quiet"]}
+    config = _build(ctx, "train", flags)
+
+    def process(run) -> None:
+        from stages import train as train_stage
+
+        train_stage.run(config, run)
+        for name in ("fp32", "amp"):
+            if name in run.artifacts():
+                click.echo(f"{name}: {run.root / run.entry(name)['path']}")
+
+    return "train", process
+
+
+@cli.command(context_settings=CONTEXT)
+@click.option("--methods", help="Comma list of " + ", ".join(cfg.QUANT_METHODS) +
+              ", or all.  [default: all]")
+@click.option("--calibration-samples", type=int,
+              help="Training images static quantization observes.  [default: 512]")
+@click.option("--calibration-method", type=click.Choice(cfg.CALIBRATION_METHODS),
+              help="ONNX Runtime static calibration.  [default: minmax]")
+@click.option("--per-channel/--per-tensor", default=None,
+              help="ONNX Runtime static weight scales.  [default: per-tensor, the fast one here]")
+@click.pass_context
+def quantize(ctx: click.Context, **flags) -> Processor:
+    """Quantize the run's `amp` model: PyTorch dynamic/static int8, ONNX, ORT dynamic/static."""
+    flags |= {"seed": ctx.obj["seed"], "quiet": ctx.obj["quiet"]}
+    if flags.get("per_channel") is not None:
+        flags["per_channel"] = bool(flags["per_channel"])
+    config = _build(ctx, "quantize", flags)
+
+    def process(run) -> None:
+        from stages import quantize as quantize_stage
+
+        for variant in quantize_stage.run(config, run):
+            click.echo(f"{variant}: {run.root / run.entry(variant)['path']}")
+
+    return "quantize", process
+
+
+@cli.command(context_settings=CONTEXT)
+@click.option("--batch-sizes", help="Comma list of batch sizes to time.  [default: 1,32]")
+@click.option("--threads", type=int, help="Threads for PyTorch and ONNX Runtime alike; 0: the "
+              "machine's cores, at most 8.  [default: 0]")
+@click.option("--repeats", type=int, help="Timed calls per variant and batch size.  [default: 30]")
+@click.option("--warmup", type=int, help="Untimed calls first.  [default: 5]")
+@click.option("--max-accuracy-drop", type=float,
+              help="Points of test accuracy the recommended variant may lose.  [default: 1.0]")
+@click.pass_context
+def report(ctx: click.Context, **flags) -> Processor:
+    """Measure every variant the same way; write report.md, report.json and a plot."""
+    flags |= {"quiet": ctx.obj["quiet"]}
+    config = _build(ctx, "report", flags)
+
+    def process(run) -> None:
+        from stages import report as report_stage
+
+        result = report_stage.run(config, run)
+        click.echo(report_stage.summary_table(result))
+        click.echo(f"report: {run.root / 'report' / 'report.md'}")
+
+    return "report", process
+
+
+def main() -> None:
+    cli(prog_name="pipeline")

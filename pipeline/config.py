@@ -1,0 +1,169 @@
+"""One dataclass per stage, validated on creation; TOML files fill in what flags leave out.
+
+Precedence: dataclass defaults < config file < command line. This module imports no torch, so
+that `pipeline --help` stays instant; the one check that needs torchvision (model names) imports
+it only when a config is built for a real run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DATASET_NAMES = ("digits",)
+PRECISIONS = ("auto", "fp16", "bf16", "fp32")
+DEVICES = ("auto", "cpu", "cuda")
+# `onnx` writes the `onnx-fp32` variant; the ORT methods quantize that file.
+QUANT_METHODS = ("torch-dynamic", "torch-static", "onnx", "ort-dynamic", "ort-static")
+CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
+
+
+def _choice(flag: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{flag} {value!r} is not one of: {', '.join(map(str, allowed))}")
+
+
+def _at_least(flag: str, value: float, low: float) -> None:
+    if value < low:
+        raise ValueError(f"{flag} must be at least {low}, got {value}")
+
+
+@dataclass
+class TrainConfig:
+    model: str = "resnet18"
+    dataset: str = "digits"
+    image_size: int = 32
+    epochs: int = 10
+    batch_size: int = 64
+    lr: float = 0.05
+    weight_decay: float = 5e-4
+    label_smoothing: float = 0.0
+    grad_clip: float = 0.0
+    precision: str = "auto"
+    baseline: bool = True
+    seed: int = 0
+    device: str = "auto"
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        _choice("--dataset", self.dataset, DATASET_NAMES)
+        _choice("--precision", self.precision, PRECISIONS)
+        _choice("--device", self.device, DEVICES)
+        _at_least("--epochs", self.epochs, 1)
+        _at_least("--batch-size", self.batch_size, 1)
+        _at_least("--image-size", self.image_size, 8)
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be greater than 0, got {self.lr}")
+        _at_least("--weight-decay", self.weight_decay, 0.0)
+        _at_least("--grad-clip", self.grad_clip, 0.0)
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
+        from stages.models import known_models
+
+        known = known_models()
+        if self.model not in known:
+            raise ValueError(f"--model {self.model!r} is not one of: {', '.join(known)}")
+
+
+@dataclass
+class QuantizeConfig:
+    methods: tuple[str, ...] = QUANT_METHODS
+    calibration_samples: int = 512
+    calibration_batch_size: int = 32
+    calibration_method: str = "minmax"
+    per_channel: bool = False
+    seed: int = 0
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.methods, str):
+            self.methods = parse_methods(self.methods)
+        self.methods = tuple(self.methods)
+        for method in self.methods:
+            _choice("--methods", method, QUANT_METHODS + ("all",))
+        if not self.methods:
+            raise ValueError(f"--methods is empty; choose from: all, {', '.join(QUANT_METHODS)}")
+        _at_least("--calibration-samples", self.calibration_samples, 1)
+        _at_least("--calibration-batch-size", self.calibration_batch_size, 1)
+        _choice("--calibration-method", self.calibration_method, CALIBRATION_METHODS)
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    """'all' or a comma list, in the canonical order (the ORT methods need `onnx` first)."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    for name in names:
+        _choice("--methods", name, QUANT_METHODS + ("all",))
+    if "all" in names:
+        return QUANT_METHODS
+    return tuple(m for m in QUANT_METHODS if m in names)
+
+
+@dataclass
+class ReportConfig:
+    batch_sizes: tuple[int, ...] = (1, 32)
+    threads: int = 0  # 0: as many as the machine has cores, capped at 8
+    warmup: int = 5
+    repeats: int = 30
+    max_seconds_per_measurement: float = 10.0
+    max_accuracy_drop: float = 1.0
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.batch_sizes, str):
+            self.batch_sizes = parse_int_list("--batch-sizes", self.batch_sizes)
+        self.batch_sizes = tuple(self.batch_sizes)
+        if not self.batch_sizes:
+            raise ValueError("--batch-sizes is empty; give numbers such as 1,32")
+        for size in self.batch_sizes:
+            _at_least("--batch-sizes", size, 1)
+        _at_least("--threads", self.threads, 0)
+        _at_least("--warmup", self.warmup, 0)
+        _at_least("--repeats", self.repeats, 3)
+        if not self.max_seconds_per_measurement > 0:
+            raise ValueError("--max-seconds must be greater than 0")
+        _at_least("--max-accuracy-drop", self.max_accuracy_drop, 0.0)
+
+
+def parse_int_list(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"{flag} takes whole numbers separated by commas, got {text!r}") from None
+
+
+STAGE_CONFIGS = {"train": TrainConfig, "quantize": QuantizeConfig, "report": ReportConfig}
+
+
+def read_config_file(path: Path) -> dict[str, dict]:
+    """The [train], [quantize] and [report] tables of a TOML file, with unknown keys refused."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"--config {path}: {exc}") from None
+    for stage, table in data.items():
+        if stage not in STAGE_CONFIGS:
+            raise ValueError(f"--config {path}: unknown table [{stage}]; known: "
+                             f"{', '.join(STAGE_CONFIGS)}")
+        known = {f.name for f in dataclasses.fields(STAGE_CONFIGS[stage])}
+        for key in table:
+            if key not in known:
+                raise ValueError(f"--config {path}: unknown key {key!r} in [{stage}]; known: "
+                                 f"{', '.join(sorted(known))}")
+    return data
+
+
+def build_config(stage: str, file_values: dict[str, Any], flag_values: dict[str, Any]):
+    """Defaults < config file < flags; a flag left at None does not override the file."""
+    values = dict(file_values)
+    values.update({k: v for k, v in flag_values.items() if v is not None})
+    return STAGE_CONFIGS[stage](**values)
+
+
+def as_dict(config) -> dict:
+    return dataclasses.asdict(config)
+
+
+__all__ = ["TrainConfig", "QuantizeConfig", "ReportConfig", "build_config", "read_config_file",
+           "QUANT_METHODS"]

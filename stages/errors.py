@@ -1,0 +1,13 @@
+"""Errors a user can cause. The CLI turns them into one line on stderr and an exit code."""
+
+
+class PipelineError(Exception):
+    """A runtime failure the user can act on (exit code 1): corrupt file, failed export, bad data."""
+
+    exit_code = 1
+
+
+class UsageError(PipelineError):
+    """A request that cannot be served as asked (exit code 2): unknown run, missing artifact."""
+
+    exit_code = 2
