@@ -62,7 +62,8 @@ def digits(image_size: int = 32, seed: int = 0, test_fraction: float = 0.2,
     train, val = _stratified_split(bunch.target[rest], val_fraction, seed=seed)
     train, val = rest[train], rest[val]
 
-    mean, std = images[train].mean(), images[train].std()
+    # Statistics of train+val, never test, and independent of --seed so test inputs are fixed.
+    mean, std = images[rest].mean(), images[rest].std()
     images = (images - mean) / std
     if image_size != images.shape[-1]:
         images = F.interpolate(images, size=(image_size, image_size), mode="bilinear",

@@ -1,0 +1,35 @@
+import torch
+
+from stages.data import calibration_batches, load_dataset
+
+
+def _rows(tensor):
+    return {tuple(row.flatten().tolist()) for row in tensor}
+
+
+def test_digits_split_is_stratified_disjoint_and_fixed():
+    splits = load_dataset("digits", image_size=8, seed=0)
+    sizes = [len(splits.train), len(splits.val), len(splits.test)]
+    assert sum(sizes) == 1797 and sizes[2] == 360
+    counts = torch.bincount(splits.test.tensors[1], minlength=10)
+    assert counts.min() >= 35 and counts.max() <= 37  # 20% of every class of ~180
+    assert not _rows(splits.train.tensors[0]) & _rows(splits.test.tensors[0])
+    other_seed = load_dataset("digits", image_size=8, seed=1)
+    assert torch.equal(other_seed.test.tensors[0], splits.test.tensors[0])
+    assert not torch.equal(other_seed.train.tensors[1], splits.train.tensors[1])
+
+
+def test_image_size_resizes_and_normalises():
+    splits = load_dataset("digits", image_size=32, seed=0)
+    assert splits.train.tensors[0].shape[1:] == (1, 32, 32)
+    assert splits.input_shape(4) == (4, 1, 32, 32)
+    assert abs(float(splits.train.tensors[0].mean())) < 0.1
+
+
+def test_calibration_comes_from_the_training_split_only():
+    splits = load_dataset("digits", image_size=8, seed=0)
+    batches = calibration_batches(splits, num_samples=100, batch_size=32, seed=0)
+    assert [len(b) for b in batches] == [32, 32, 32, 4]
+    chosen = _rows(torch.cat(batches))
+    assert chosen <= _rows(splits.train.tensors[0])
+    assert not chosen & _rows(splits.test.tensors[0])

@@ -1,0 +1,87 @@
+import itertools
+import json
+
+import pytest
+
+from stages import bench, report
+
+
+def test_report_json_has_the_contract_fields(tiny_run):
+    run, data = tiny_run["run"], tiny_run["report"]
+    on_disk = json.loads((run.root / "report" / "report.json").read_text())
+    assert on_disk["verdict"] == data["verdict"]
+    names = [m["name"] for m in on_disk["models"]]
+    assert names == ["fp32", "amp", "torch-dynamic", "torch-static", "onnx-fp32", "ort-dynamic",
+                     "ort-static"]
+    for model in on_disk["models"]:
+        assert {"name", "format", "path", "size_bytes", "accuracy", "agreement",
+                "latency_ms"} <= set(model)
+        assert set(model["latency_ms"]) == {"1", "4"}
+        for stats in model["latency_ms"].values():
+            assert 0 < stats["p50"] <= stats["p90"]
+    for name in ("fp32", "amp"):
+        assert {"precision", "device", "seconds", "samples_per_second", "peak_memory_bytes",
+                "checkpoint_bytes", "test_accuracy", "skipped_steps"} <= set(on_disk["training"][name])
+    env = on_disk["environment"]
+    assert {"torch", "torchvision", "onnx", "onnxruntime"} <= set(env["versions"])
+    assert env["threads"] >= 1 and env["cpu"]["model"]
+
+
+def test_report_numbers_agree_with_training_and_files(tiny_run):
+    run, data = tiny_run["run"], tiny_run["report"]
+    models = {m["name"]: m for m in data["models"]}
+    # The report re-measures the saved fp32 model: it must match what training measured.
+    assert models["fp32"]["accuracy"] == pytest.approx(tiny_run["train"]["fp32"].test_accuracy)
+    assert models["fp32"]["agreement"] == 1.0 and models["fp32"]["flipped_predictions"] == 0
+    assert models["torch-static"]["size_bytes"] == run.entry("torch-static")["bytes"]
+    assert models["onnx-fp32"]["agreement"] >= 0.99 * models["amp"]["agreement"]
+
+
+def test_report_files_exist_and_the_plot_is_a_real_png(tiny_run):
+    folder = tiny_run["run"].root / "report"
+    png = (folder / "latency-vs-size.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    markdown = (folder / "report.md").read_text()
+    assert markdown.startswith("# Report for run `tiny`")
+    assert "**Ship `" in markdown and "| `ort-static` | onnx |" in markdown
+    assert "master weights are fp32" in markdown
+
+
+def test_summarize_percentiles_on_known_values():
+    stats = bench.summarize([i / 1000 for i in range(1, 11)])  # 1..10 ms
+    assert stats["p50"] == pytest.approx(5.5)
+    assert stats["p90"] == pytest.approx(9.1)
+    assert stats["min"] == 1 and stats["max"] == 10 and stats["repeats"] == 10
+
+
+def test_measure_on_a_fake_clock_warms_up_and_stops_at_the_time_limit():
+    ticks = itertools.count()
+    calls = []
+    clock = lambda: next(ticks) * 1.0  # every clock read advances one second  # noqa: E731
+    stats = bench.measure(lambda: calls.append(1), warmup=2, repeats=50, max_seconds=5.5,
+                          clock=clock)
+    assert stats["p50"] == 1000.0  # each timed call spans one tick
+    assert stats["repeats"] < 50 and len(calls) == 2 + stats["repeats"]
+
+
+def _row(name, ms, accuracy, size=1.0):
+    return {"name": name, "latency_ms": {"32": {"p50": ms}}, "accuracy": accuracy,
+            "size_bytes": size}
+
+
+def test_verdict_picks_the_fastest_variant_within_the_accuracy_budget():
+    rows = [_row("fp32", 10.0, 0.98, 4.0), _row("torch-static", 2.0, 0.96, 1.0),
+            _row("ort-static", 3.0, 0.975, 1.0), _row("ort-dynamic", 50.0, 0.98, 1.0)]
+    v = report.verdict(rows, "fp32", budget_points=1.0, batch="32")
+    assert v["recommended"] == "ort-static"
+    assert v["speedup"] == pytest.approx(10 / 3) and v["size_ratio"] == 0.25
+    assert report.verdict(rows, "fp32", budget_points=3.0, batch="32")["recommended"] == "torch-static"
+
+
+def test_warnings_name_slow_int8_and_lost_accuracy():
+    rows = [_row("fp32", 10.0, 0.98), _row("amp", 10.0, 0.98), _row("onnx-fp32", 5.0, 0.98),
+            _row("ort-dynamic", 50.0, 0.98), _row("torch-static", 2.0, 0.95)]
+    found = report.warnings_for(rows, "fp32", 1.0, "32")
+    assert len(found) == 2
+    assert "ort-dynamic is slower" in found[0] and "ConvInteger" in found[0]
+    assert "torch-static loses 3.00 points" in found[1]
