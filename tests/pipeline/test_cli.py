@@ -1,0 +1,93 @@
+"""The CLI through CliRunner and as a subprocess of the installed command."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import cli
+
+TINY = ["train", "--model", "smallcnn", "--image-size", "8", "--epochs", "1"]
+FAST_REPORT = ["report", "--repeats", "3", "--warmup", "1", "--batch-sizes", "1,4"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, list(args), prog_name="pipeline")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["train", "--model", "resnet7"], "--model 'resnet7' is not one of: smallcnn"),
+    (["quantize", "--methods", "torch-static,int4"], "--methods 'int4' is not one of: torch-dynamic"),
+    (["train", "--epochs", "-3"], "--epochs must be at least 1, got -3"),
+    (["--run", "missing", "report"], "run 'missing' does not exist"),
+    (["--device", "tpu", "train"], "'tpu' is not one of 'auto', 'cpu', 'cuda'"),
+    (["report", "--batch-sizes", "1,x"], "--batch-sizes takes whole numbers"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, needle):
+    result = invoke("--artifacts-dir", str(tmp_path), *args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], result.stderr
+    assert not (tmp_path / "runs").exists()  # nothing was started
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys\nfrom pipeline.cli import cli\n"
+            "for args in (['--help'], ['train', '--help'], ['quantize', '--help'], ['report', '--help']):\n"
+            "    try:\n        cli.main(args, prog_name='pipeline')\n    except SystemExit as e:\n"
+            "        assert e.code == 0, e.code\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().endswith("False")
+
+
+def test_chain_through_cli_runner_then_stages_alone_on_latest_and_named_run(tmp_path):
+    result = invoke("--artifacts-dir", str(tmp_path), "--quiet", *TINY, "quantize", "--methods",
+                    "torch-static,ort-static", "--calibration-samples", "64", *FAST_REPORT)
+    assert result.exit_code == 0, result.stderr
+    run_name = (tmp_path / "latest").read_text().strip()
+    report_md = tmp_path / "runs" / run_name / "report" / "report.md"
+    assert f"report: {report_md}" in result.stdout
+    report = json.loads(report_md.with_name("report.json").read_text())
+    assert [m["name"] for m in report["models"]] == ["fp32", "amp", "torch-static", "onnx-fp32",
+                                                     "ort-static"]
+    # A stage alone works on the latest run, and on a run named with --run.
+    again = invoke("--artifacts-dir", str(tmp_path), "--quiet", "quantize", "--methods",
+                   "torch-dynamic")
+    assert again.exit_code == 0, again.stderr
+    named = invoke("--artifacts-dir", str(tmp_path), "--run", run_name, "--quiet", *FAST_REPORT)
+    assert named.exit_code == 0, named.stderr
+    report = json.loads(report_md.with_name("report.json").read_text())
+    assert "torch-dynamic" in [m["name"] for m in report["models"]]
+
+
+def test_config_file_fills_in_and_flags_win(tmp_path):
+    config = tmp_path / "pipeline.toml"
+    config.write_text('[train]\nmodel = "smallcnn"\nimage_size = 8\nepochs = 3\nbaseline = false\n')
+    result = invoke("--artifacts-dir", str(tmp_path), "--config", str(config), "--quiet",
+                    "train", "--epochs", "1")
+    assert result.exit_code == 0, result.stderr
+    saved = json.loads(next((tmp_path / "runs").glob("*/config.json")).read_text())["train"]
+    assert saved["epochs"] == 1 and saved["model"] == "smallcnn" and saved["baseline"] is False
+    config.write_text("[train]\nepoch = 1\n")
+    bad = invoke("--artifacts-dir", str(tmp_path), "--config", str(config), "train")
+    assert bad.exit_code == 2 and "unknown key 'epoch' in [train]" in bad.stderr
+
+
+def test_installed_command_runs_the_whole_chain(tmp_path):
+    command = shutil.which("pipeline", path=str(Path(sys.executable).parent))
+    assert command, "the console script 'pipeline' is not installed beside this python"
+    env = os.environ | {"PIPELINE_ARTIFACTS_DIR": str(tmp_path)}
+    proc = subprocess.run([command, *TINY, "quantize", "--calibration-samples", "64",
+                           *FAST_REPORT], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("report: ") and Path(last.removeprefix("report: ")).is_file()
+    assert "recommended: " in proc.stdout
+    module = subprocess.run([sys.executable, "-m", "pipeline", "--help"], capture_output=True,
+                            text=True, env=env)
+    assert module.returncode == 0 and "train" in module.stdout
