@@ -176,10 +176,14 @@ def quantize(ctx: click.Context, **flags) -> Processor:
 @click.option("--warmup", type=int, help="Untimed calls first.  [default: 5]")
 @click.option("--max-accuracy-drop", type=float,
               help="Points of test accuracy the recommended variant may lose.  [default: 1.0]")
+@click.option("--fail-under-speedup", type=float, metavar="X",
+              help="Exit 1 when the recommended variant is less than X times faster than fp32.")
+@click.option("--compare", multiple=True, metavar="RUN[,RUN...]",
+              help="Also put these runs' reports side by side with this one (compare.md).")
 @click.pass_context
 def report(ctx: click.Context, **flags) -> Processor:
-    """Measure every variant the same way; write report.md, report.json and a plot."""
-    flags |= {"quiet": ctx.obj["quiet"]}
+    """Measure every variant the same way; write report.md, report.json and plots."""
+    flags |= {"quiet": ctx.obj["quiet"], "compare": flags["compare"] or None}
     config = _build(ctx, "report", flags)
 
     def process(run) -> None:
@@ -187,6 +191,8 @@ def report(ctx: click.Context, **flags) -> Processor:
 
         result = report_stage.run(config, run)
         click.echo(report_stage.summary_table(result))
+        if config.compare:
+            click.echo(f"compare: {run.root / 'report' / 'compare.md'}")
         click.echo(f"report: {run.root / 'report' / 'report.md'}")
 
     return "report", process

@@ -108,9 +108,15 @@ class ReportConfig:
     repeats: int = 30
     max_seconds_per_measurement: float = 10.0
     max_accuracy_drop: float = 1.0
+    fail_under_speedup: float = 0.0  # 0: never fail
+    compare: tuple[str, ...] = ()
     quiet: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.compare, str):
+            self.compare = (self.compare,)
+        self.compare = tuple(name.strip() for item in self.compare for name in item.split(",")
+                             if name.strip())
         if isinstance(self.batch_sizes, str):
             self.batch_sizes = parse_int_list("--batch-sizes", self.batch_sizes)
         self.batch_sizes = tuple(self.batch_sizes)
@@ -124,6 +130,7 @@ class ReportConfig:
         if not self.max_seconds_per_measurement > 0:
             raise ValueError("--max-seconds must be greater than 0")
         _at_least("--max-accuracy-drop", self.max_accuracy_drop, 0.0)
+        _at_least("--fail-under-speedup", self.fail_under_speedup, 0.0)
 
 
 def parse_int_list(flag: str, text: str) -> tuple[int, ...]:

@@ -24,7 +24,8 @@ def summarize(seconds: list[float]) -> dict:
         high = min(low + 1, len(ms) - 1)
         return ms[low] + (ms[high] - ms[low]) * (position - low)
 
-    return {"p50": percentile(0.5), "p90": percentile(0.9), "mean": statistics.fmean(ms),
+    return {"p50": percentile(0.5), "p90": percentile(0.9), "iqr": percentile(0.75) - percentile(0.25),
+            "mean": statistics.fmean(ms),
             "stdev": statistics.stdev(ms) if len(ms) > 1 else 0.0, "min": ms[0], "max": ms[-1],
             "repeats": len(ms)}
 
@@ -47,11 +48,16 @@ def measure(call: Callable[[], object], warmup: int, repeats: int, max_seconds: 
 
 
 def torch_call(model, batch) -> Callable[[], object]:
+    """One forward pass; on CUDA it waits for the kernels, since launches return at once."""
     import torch
+
+    sync = torch.cuda.synchronize if batch.device.type == "cuda" else (lambda: None)
 
     def call():
         with torch.inference_mode():
-            return model(batch)
+            out = model(batch)
+        sync()
+        return out
 
     return call
 

@@ -9,13 +9,15 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from stages import bench, export
-from stages.artifacts import Run, atomic_path, atomic_write_json, atomic_write_text
+import json
+
+from stages import bench, export, plots
+from stages.artifacts import Run, atomic_write_json, atomic_write_text, open_run
 from stages.data import load_dataset
-from stages.errors import UsageError
+from stages.errors import PipelineError, UsageError
 from stages.progress import say
 from stages.quantize import load_torch_model
-from stages.train import accuracy
+from stages.stats import paired_difference_interval, wilson_interval
 
 VARIANTS = ("fp32", "amp", "torch-dynamic", "torch-static", "onnx-fp32", "ort-dynamic",
             "ort-static")
@@ -27,6 +29,11 @@ SLOW_CAUSE = {
     "torch-dynamic": "PyTorch dynamic quantization only touches Linear/LSTM layers, so a conv "
                      "net keeps its float convolutions; use torch-static",
 }
+QOPERATOR_CAUSE = ("a QOperator graph runs per-channel int8 convolutions on slow reference kernels;"
+                   " use the QDQ format")
+FIGURES = {"latency-vs-size.png": "latency against size",
+           "speedup-and-size.png": "speed-up and size against fp32",
+           "training-curves.png": "training curves"}
 
 
 def _predictor(run: Run, name: str, threads: int):
@@ -59,12 +66,13 @@ def measure_variants(run: Run, config, threads: int) -> tuple[list[dict], str]:
                           seed=train_config.get("seed", 0))
     images, labels = splits.test.tensors
     reference = "fp32" if "fp32" in present else present[0]
-    rows, predictions = [], {}
+    rows, predictions, hits = [], {}, {}
     for name in present:
         say(f"report: measuring {name} ...", quiet=config.quiet)
         predict_fn, call_for = _predictor(run, name, threads)
         logits = predict_fn(images)
         predictions[name] = logits.argmax(1)
+        hits[name] = (predictions[name] == labels).tolist()
         latency = {}
         for batch_size in config.batch_sizes:
             batch = bench.random_batch(splits.input_shape(batch_size))
@@ -72,15 +80,23 @@ def measure_variants(run: Run, config, threads: int) -> tuple[list[dict], str]:
                                                      config.repeats,
                                                      config.max_seconds_per_measurement)
         entry = artifacts[name]
-        rows.append({"name": name, "format": entry["format"], "path": entry["path"],
-                     "size_bytes": _shipped_bytes(run, name),
-                     "accuracy": accuracy(logits, labels), "latency_ms": latency,
-                     "parent": entry.get("parent"), "quantization": entry.get("quantization")})
+        correct = sum(hits[name])
+        row = {"name": name, "format": entry["format"], "path": entry["path"],
+               "size_bytes": _shipped_bytes(run, name), "accuracy": correct / len(labels),
+               "accuracy_ci95": wilson_interval(correct, len(labels)),
+               "test_samples": len(labels), "latency_ms": latency,
+               "parent": entry.get("parent"), "quantization": entry.get("quantization")}
+        if splits.num_classes > 5:
+            top5 = logits.topk(5, dim=1).indices.eq(labels[:, None]).any(dim=1)
+            row["top5_accuracy"] = float(top5.float().mean())
+        rows.append(row)
     for row in rows:
         same = predictions[row["name"]] == predictions[reference]
         row["agreement"] = float(same.float().mean())
         row["flipped_predictions"] = int((~same).sum())
         row["agreement_reference"] = reference
+        row["accuracy_change_vs_reference"] = paired_difference_interval(hits[reference],
+                                                                         hits[row["name"]])
     return rows, reference
 
 
@@ -105,6 +121,8 @@ def warnings_for(rows: list[dict], reference: str, budget_points: float, batch: 
             mine, theirs = row["latency_ms"][batch]["p50"], source["latency_ms"][batch]["p50"]
             if mine > theirs:
                 cause = SLOW_CAUSE.get(row["name"], "the int8 graph falls back to slow kernels")
+                if (row.get("quantization") or {}).get("format") == "QOperator":
+                    cause = QOPERATOR_CAUSE
                 found.append(f"{row['name']} is slower than its float source {source['name']} at "
                              f"batch {batch} ({mine:.2f} ms against {theirs:.2f} ms): {cause}.")
         drop = (by_name[reference]["accuracy"] - row["accuracy"]) * 100
@@ -120,10 +138,13 @@ def verdict(rows: list[dict], reference: str, budget_points: float, batch: str) 
     ref = by_name[reference]
     within = [r for r in rows if (ref["accuracy"] - r["accuracy"]) * 100 <= budget_points + 1e-9]
     best = min(within, key=lambda r: r["latency_ms"][batch]["p50"])
+    change = best.get("accuracy_change_vs_reference", {})
     return {"recommended": best["name"], "batch_size": int(batch),
             "speedup": ref["latency_ms"][batch]["p50"] / best["latency_ms"][batch]["p50"],
             "size_ratio": best["size_bytes"] / ref["size_bytes"],
             "accuracy_change_points": (best["accuracy"] - ref["accuracy"]) * 100,
+            "accuracy_change_ci95_points": [change.get("low", 0.0) * 100,
+                                            change.get("high", 0.0) * 100],
             "max_accuracy_drop_points": budget_points, "reference": reference}
 
 
@@ -139,27 +160,21 @@ def amp_sentence(training: dict, rows: list[dict]) -> str:
             f"does ({smallest['name']}: {smallest['size_bytes'] / fp32['model_bytes']:.2f}x).")
 
 
-def plot_latency_vs_size(rows: list[dict], batch: str, path: Path) -> None:
-    import matplotlib
+def _pct_interval(low: float, high: float) -> str:
+    return f"{low:.1%}–{high:.1%}"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-    for row in rows:
-        x, y = row["size_bytes"] / 1e6, row["latency_ms"][batch]["p50"]
-        ax.scatter(x, y, s=60)
-        ax.annotate(f"{row['name']} ({row['accuracy']:.1%})", (x, y), textcoords="offset points",
-                    xytext=(6, 4), fontsize=8)
-    ax.set_xlabel("shipped size (MB)")
-    ax.set_ylabel(f"p50 latency at batch {batch} (ms, log)")
-    ax.set_yscale("log")
-    ax.set_title("Latency against size (label: test accuracy)")
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    plt.close(fig)
+def _verdict_paragraph(report: dict) -> str:
+    v, ref = report["verdict"], report["reference"]
+    low, high = v["accuracy_change_ci95_points"]
+    noise = ("within the noise of this test split" if low <= 0 <= high
+             else "a real difference on this test split")
+    return (f"**Ship `{v['recommended']}`.** Of the variants within "
+            f"{v['max_accuracy_drop_points']:g} point(s) of `{ref}`'s test accuracy, it has the "
+            f"lowest p50 latency at batch {v['batch_size']}: {v['speedup']:.2f}x faster than "
+            f"`{ref}` and {v['size_ratio']:.2f}x its size, with an accuracy change of "
+            f"{v['accuracy_change_points']:+.2f} points (95% interval {low:+.2f} to {high:+.2f}, "
+            f"{noise}). " + report["amp_vs_quantization"])
 
 
 def _markdown(report: dict) -> str:
@@ -168,48 +183,100 @@ def _markdown(report: dict) -> str:
     by_name = {r["name"]: r for r in rows}
     batches = [str(b) for b in report["config"]["batch_sizes"]]
     big = batches[-1]
-    v = report["verdict"]
-    lines = [f"# Report for run `{report['run']}`", "",
-             f"**Ship `{v['recommended']}`.** Of the variants within {v['max_accuracy_drop_points']:g}"
-             f" point(s) of `{ref}`'s test accuracy, it has the lowest p50 latency at batch "
-             f"{v['batch_size']}: {v['speedup']:.2f}x faster than `{ref}` and {v['size_ratio']:.2f}x"
-             f" its size, with an accuracy change of {v['accuracy_change_points']:+.2f} points. "
-             + report["amp_vs_quantization"], ""]
+    lines = [f"# Report for run `{report['run']}`", "", _verdict_paragraph(report), ""]
     if report["warnings"]:
         lines += ["## Warnings", ""] + [f"- {w}" for w in report["warnings"]] + [""]
     head = ["variant", "format", "size (MB)", "size vs fp32"]
     head += [f"p50 / p90 ms (batch {b})" for b in batches]
-    head += [f"speed-up (batch {big})", "accuracy", "change (points)", f"agreement with {ref}"]
+    head += [f"speed-up (batch {big})", "accuracy (95% CI)", "top-5",
+             "change in points (95% CI)", f"agreement with {ref}"]
     lines += ["## Models", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        change = r["accuracy_change_vs_reference"]
         cells = [f"`{r['name']}`", r["format"], f"{r['size_bytes'] / 1e6:.2f}",
                  f"{r['size_bytes'] / by_name[ref]['size_bytes']:.2f}x"]
         cells += [f"{r['latency_ms'][b]['p50']:.2f} / {r['latency_ms'][b]['p90']:.2f}"
                   for b in batches]
         cells += [f"{by_name[ref]['latency_ms'][big]['p50'] / r['latency_ms'][big]['p50']:.2f}x",
-                  f"{r['accuracy']:.2%}", f"{(r['accuracy'] - by_name[ref]['accuracy']) * 100:+.2f}",
+                  f"{r['accuracy']:.2%} ({_pct_interval(*r['accuracy_ci95'])})",
+                  f"{r['top5_accuracy']:.2%}" if "top5_accuracy" in r else "-",
+                  "reference" if r["name"] == ref else
+                  f"{change['difference'] * 100:+.2f} ({change['low'] * 100:+.2f} to "
+                  f"{change['high'] * 100:+.2f})",
                   f"{r['agreement']:.2%} ({r['flipped_predictions']} flipped)"]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"![latency against size](latency-vs-size.png)", ""]
+    lines += ["", f"Accuracy on {rows[0]['test_samples']} test images; intervals: Wilson for one "
+              "accuracy, Newcombe's paired method for the change against "
+              f"`{ref}` on the same images.", ""]
+    lines += [f"![{title}]({name})" for name, title in report["figures"].items()
+              if name != "training-curves.png"] + [""]
     if report["training"]:
-        lines += ["## Training", "", "| model | precision | device | seconds | samples/s | "
-                  "peak memory (MB) | checkpoint (MB) | model.pt (MB) | test accuracy | "
-                  "skipped steps |", "|" + "---|" * 10]
+        lines += ["## Training", "", report["amp_vs_quantization"], "",
+                  "| model | precision | device | seconds | samples/s | peak memory (MB) | "
+                  "checkpoint (MB) | model.pt (MB) | test accuracy | skipped steps |",
+                  "|" + "---|" * 10]
         for name, t in report["training"].items():
             lines.append(f"| `{name}` | {t['precision']} | {t['device']} | {t['seconds']:.1f} | "
                          f"{t['samples_per_second']:.0f} | {t['peak_memory_bytes'] / 1e6:.0f} | "
                          f"{t['checkpoint_bytes'] / 1e6:.2f} | {t['model_bytes'] / 1e6:.2f} | "
                          f"{t['test_accuracy']:.2%} | {t['skipped_steps']} |")
         method = next(iter(report["training"].values()))["peak_memory_method"]
-        lines += ["", f"Peak memory is {method}. {report['amp_vs_quantization']}", ""]
+        lines += ["", f"Peak memory is {method}.", ""]
+        if "training-curves.png" in report["figures"]:
+            lines += ["![training curves](training-curves.png)", ""]
     env = report["environment"]
     lines += ["## Environment", "",
               f"CPU {env['cpu']['model']} ({', '.join(env['cpu']['flags']) or 'no int8/bf16 flags'})"
               f", {env['threads']} threads for PyTorch and ONNX Runtime alike; "
               + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".",
-              "Latency: p50/p90 of repeated calls on random inputs of the real shape after warm-up;"
-              " accuracy on the test split, which calibration never sees.", ""]
+              f"Latency: p50/p90 of up to {report['config']['repeats']} calls on random inputs of "
+              f"the real shape after {report['config']['warmup']} warm-up calls; accuracy on the "
+              "test split, which training, calibration and model selection never see.", ""]
     return "\n".join(lines)
+
+
+def compare_runs(runs: list[Run]) -> tuple[dict, str]:
+    """Side by side: every variant of every run, from each run's verified report.json."""
+    table = {}
+    for other in runs:
+        try:
+            path = other.verified_path("report/report.json")
+        except UsageError:
+            raise UsageError(f"run {other.name!r} has no report yet; run 'pipeline --run "
+                             f"{other.name} report' first") from None
+        table[other.name] = json.loads(path.read_text())
+    names = [v for v in VARIANTS if any(v in {m["name"] for m in r["models"]}
+                                        for r in table.values())]
+    lines = ["# Runs side by side", "", "| variant | " + " | ".join(f"`{n}`" for n in table) + " |",
+             "|" + "---|" * (len(table) + 1)]
+    for variant in names:
+        cells = []
+        for data in table.values():
+            row = next((m for m in data["models"] if m["name"] == variant), None)
+            big = str(data["config"]["batch_sizes"][-1])
+            cells.append("-" if row is None else
+                         f"{row['accuracy']:.2%}, {row['size_bytes'] / 1e6:.2f} MB, "
+                         f"{row['latency_ms'][big]['p50']:.2f} ms @{big}")
+        lines.append(f"| `{variant}` | " + " | ".join(cells) + " |")
+    lines += ["", "| run | recommended | speed-up | size ratio | accuracy change (points) |",
+              "|---|---|---|---|---|"]
+    for name, data in table.items():
+        v = data["verdict"]
+        lines.append(f"| `{name}` | `{v['recommended']}` | {v['speedup']:.2f}x | "
+                     f"{v['size_ratio']:.2f}x | {v['accuracy_change_points']:+.2f} |")
+    lines += ["", "Each run's numbers come from its own report, measured when that report ran."]
+    summary = {name: {"verdict": d["verdict"], "models": d["models"],
+                      "environment": d["environment"]} for name, d in table.items()}
+    return summary, "\n".join(lines) + "\n"
+
+
+def _histories(run: Run) -> dict[str, list[dict]]:
+    histories = {}
+    for name in ("fp32", "amp"):
+        if f"{name}/metrics" in run.artifacts():
+            text = run.verified_path(f"{name}/metrics").read_text()
+            histories[name] = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return histories
 
 
 def run(config, run: Run) -> dict:
@@ -217,25 +284,45 @@ def run(config, run: Run) -> dict:
 
     threads = config.threads or min(os.cpu_count() or 1, 8)
     torch.set_num_threads(threads)
+    compared = [open_run(run.artifacts_dir, name) for name in config.compare if name != run.name]
     rows, reference = measure_variants(run, config, threads)
     batch = str(config.batch_sizes[-1])
     training = training_rows(run)
+    histories = _histories(run)
+    folder = run.root / "report"
+    folder.mkdir(parents=True, exist_ok=True)
+    plots.latency_vs_size(rows, batch, folder / "latency-vs-size.png")
+    plots.speedup_and_size(rows, reference, batch, folder / "speedup-and-size.png")
+    figures = dict(FIGURES)
+    if histories:
+        plots.training_curves(histories, folder / "training-curves.png")
+    else:
+        figures.pop("training-curves.png")
     report = {
         "run": run.name, "reference": reference, "config": asdict(config) | {"threads": threads},
-        "models": rows, "training": training,
+        "models": rows, "training": training, "training_history": histories,
         "verdict": verdict(rows, reference, config.max_accuracy_drop, batch),
         "warnings": warnings_for(rows, reference, config.max_accuracy_drop, batch),
         "amp_vs_quantization": amp_sentence(training, rows),
-        "environment": bench.environment(threads),
+        "figures": figures, "environment": bench.environment(threads),
     }
-    folder = run.root / "report"
-    folder.mkdir(parents=True, exist_ok=True)
     atomic_write_json(folder / "report.json", report)
-    plot_latency_vs_size(rows, batch, folder / "latency-vs-size.png")
     atomic_write_text(folder / "report.md", _markdown(report))
-    for name in ("report.json", "report.md", "latency-vs-size.png"):
+    for name in ["report.json", "report.md", *figures]:
         run.register(f"report/{name}", folder / name, kind="report", stage="report")
+    if compared:
+        summary, markdown = compare_runs([run, *compared])
+        atomic_write_json(folder / "compare.json", summary)
+        atomic_write_text(folder / "compare.md", markdown)
+        for name in ("compare.json", "compare.md"):
+            run.register(f"report/{name}", folder / name, kind="report", stage="report")
     run.record_config("report", asdict(config))
+    gate = config.fail_under_speedup
+    if gate and report["verdict"]["speedup"] < gate:
+        v = report["verdict"]
+        raise PipelineError(f"the recommended variant {v['recommended']} is {v['speedup']:.2f}x "
+                            f"as fast as {reference} at batch {v['batch_size']}, under "
+                            f"--fail-under-speedup {gate:g} (report written to {folder})")
     return report
 
 
@@ -251,6 +338,7 @@ def summary_table(report: dict) -> str:
         line += "".join(f"{r['latency_ms'][b]['p50']:>10.2f}" for b in batches)
         line += f"{ref['latency_ms'][batches[-1]]['p50'] / r['latency_ms'][batches[-1]]['p50']:>9.2f}x"
         lines.append(line)
-    lines.append(f"recommended: {report['verdict']['recommended']}")
+    v = report["verdict"]
+    lines.append(f"recommended: {v['recommended']} ({v['speedup']:.2f}x faster, "
+                 f"{v['size_ratio']:.2f}x the size, {v['accuracy_change_points']:+.2f} points)")
     return "\n".join(lines)
-

@@ -91,3 +91,26 @@ def test_installed_command_runs_the_whole_chain(tmp_path):
     module = subprocess.run([sys.executable, "-m", "pipeline", "--help"], capture_output=True,
                             text=True, env=env)
     assert module.returncode == 0 and "train" in module.stdout
+
+
+def test_compare_and_the_speedup_gate(tmp_path):
+    base = ["--artifacts-dir", str(tmp_path), "--quiet"]
+    for name in ("one", "two"):
+        result = invoke(*base, "--run", name, *TINY, "quantize", "--methods", "torch-static",
+                        "--calibration-samples", "64", *FAST_REPORT)
+        assert result.exit_code == 0, result.stderr
+    compared = invoke(*base, "--run", "two", *FAST_REPORT, "--compare", "one")
+    assert compared.exit_code == 0, compared.stderr
+    compare_md = tmp_path / "runs" / "two" / "report" / "compare.md"
+    assert f"compare: {compare_md}" in compared.stdout
+    text = compare_md.read_text()
+    assert "| variant | `two` | `one` |" in text and "| `torch-static` |" in text
+
+    missing = invoke(*base, "--run", "two", *FAST_REPORT, "--compare", "three")
+    assert missing.exit_code == 2 and "run 'three' does not exist" in missing.stderr
+
+    gate = invoke(*base, "--run", "two", *FAST_REPORT, "--fail-under-speedup", "1000")
+    assert gate.exit_code == 1
+    line = gate.stderr.strip().splitlines()[-1]
+    assert "under --fail-under-speedup 1000" in line and "recommended variant" in line
+    assert invoke(*base, "--run", "two", *FAST_REPORT, "--fail-under-speedup", "0.01").exit_code == 0

@@ -37,10 +37,45 @@ def test_report_numbers_agree_with_training_and_files(tiny_run):
     assert models["onnx-fp32"]["agreement"] >= 0.99 * models["amp"]["agreement"]
 
 
-def test_report_files_exist_and_the_plot_is_a_real_png(tiny_run):
+@pytest.mark.parametrize("figure", ["latency-vs-size.png", "speedup-and-size.png",
+                                    "training-curves.png"])
+def test_plots_are_real_pngs_embedded_in_the_report(tiny_run, figure):
     folder = tiny_run["run"].root / "report"
-    png = (folder / "latency-vs-size.png").read_bytes()
+    png = (folder / figure).read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert f"]({figure})" in (folder / "report.md").read_text()
+    tiny_run["run"].verified_path(f"report/{figure}")
+
+
+def test_accuracy_intervals_and_top5(tiny_run):
+    for model in tiny_run["report"]["models"]:
+        low, high = model["accuracy_ci95"]
+        assert low < model["accuracy"] < high and high - low < 0.15  # 360 test images
+        assert model["top5_accuracy"] >= model["accuracy"]
+        change = model["accuracy_change_vs_reference"]
+        assert change["low"] <= change["difference"] <= change["high"]
+
+
+def test_latency_is_measured_on_random_inputs_of_the_real_shape(tiny_run, monkeypatch):
+    from pipeline.config import ReportConfig
+
+    shapes = []
+    real_random_batch = bench.random_batch
+
+    def spy(shape, seed=0):
+        batch = real_random_batch(shape, seed)
+        shapes.append(tuple(batch.shape))
+        assert batch.dtype.is_floating_point and batch.std() > 0.5  # random, not zeros
+        return batch
+
+    monkeypatch.setattr(bench, "random_batch", spy)
+    rows, _ = report.measure_variants(tiny_run["run"], ReportConfig(
+        batch_sizes=(1, 3), warmup=0, repeats=3, quiet=True), threads=1)
+    assert shapes == [(1, 1, 8, 8), (3, 1, 8, 8)] * len(rows)
+
+
+def test_report_markdown_starts_with_the_verdict(tiny_run):
+    folder = tiny_run["run"].root / "report"
     markdown = (folder / "report.md").read_text()
     assert markdown.startswith("# Report for run `tiny`")
     assert "**Ship `" in markdown and "| `ort-static` | onnx |" in markdown
