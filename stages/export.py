@@ -18,19 +18,33 @@ INPUT_NAME = "input"
 OUTPUT_NAME = "logits"
 
 
-def onnx_size_bytes(path: Path) -> int:
-    """Bytes a user ships for an ONNX model: the file plus every external data file it names."""
+def external_data_files(path: Path) -> list[Path]:
+    """The external data files an ONNX model names; one outside the model's folder is refused,
+    so that a downloaded model cannot make us read an arbitrary file."""
     import onnx
 
     path = Path(path)
     model = onnx.load(str(path), load_external_data=False)
-    external = set()
-    for tensor in onnx.external_data_helper._get_all_tensors(model):
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            for item in tensor.external_data:
-                if item.key == "location":
-                    external.add(item.value)
-    return path.stat().st_size + sum((path.parent / name).stat().st_size for name in external)
+    folder = path.parent.resolve()
+    tensors = list(model.graph.initializer) + [
+        attr.t for node in model.graph.node for attr in node.attribute if attr.HasField("t")]
+    files = []
+    for tensor in tensors:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location = next((item.value for item in tensor.external_data if item.key == "location"), "")
+        target = (folder / location).resolve()
+        if Path(location).is_absolute() or folder not in target.parents:
+            raise PipelineError(f"{path} points its external data outside its folder "
+                                f"({location!r}); refusing to read it")
+        if target not in files:
+            files.append(target)
+    return files
+
+
+def onnx_size_bytes(path: Path) -> int:
+    """Bytes a user ships for an ONNX model: the file plus every external data file it names."""
+    return Path(path).stat().st_size + sum(f.stat().st_size for f in external_data_files(path))
 
 
 def export_onnx(model, example, path: Path) -> None:
@@ -69,6 +83,13 @@ def ort_session(path: Path, threads: int):
     """A CPU InferenceSession with a fixed thread count, like torch.set_num_threads."""
     import onnxruntime as ort
 
+    try:
+        external_data_files(path)  # refuse external data outside the folder before ORT reads it
+    except PipelineError:
+        raise
+    except Exception as exc:
+        raise PipelineError(f"{path} is not a readable ONNX model: "
+                            f"{str(exc).strip().splitlines()[0][:200]}") from exc
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
@@ -163,6 +184,3 @@ def quantize_ort_static(source: Path, path: Path, batches, calibration_method: s
                             calibrate_method=method)
     return options
 
-
-__all__ = ["export_onnx", "check_onnx", "ort_session", "ort_predict", "compare_logits",
-           "quantize_ort_dynamic", "quantize_ort_static", "onnx_size_bytes", "cpu_has_vnni"]

@@ -4,10 +4,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-PRECISIONS = ("auto", "fp16", "bf16", "fp32")
-DEVICES = ("auto", "cpu", "cuda")
-
-
 @dataclass(frozen=True)
 class Precision:
     name: str  # fp16 | bf16 | fp32

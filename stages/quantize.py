@@ -36,9 +36,14 @@ class QuantContext:
     spec: dict
     folder: Path
     _batches: list = field(default_factory=list)
+    _float: object = None
 
     def float_model(self):
-        return load_torch_model(self.run, SOURCE)
+        """The `amp` model, loaded and verified once; no method mutates it (prepare_fx and
+        quantize_dynamic work on copies)."""
+        if self._float is None:
+            self._float = load_torch_model(self.run, SOURCE)
+        return self._float
 
     def calibration(self) -> list:
         """Training images, drawn once per stage and shared by every static method."""

@@ -1,5 +1,7 @@
 import onnx
 import pytest
+
+from stages.errors import PipelineError
 import torch
 
 from pipeline.config import QuantizeConfig, TrainConfig
@@ -89,3 +91,24 @@ def test_onnx_size_counts_external_data(tmp_path, tiny_run):
     data_bytes = (tmp_path / "split.onnx.data").stat().st_size
     assert data_bytes > 10_000
     assert export.onnx_size_bytes(path) == path.stat().st_size + data_bytes
+
+
+def test_external_data_outside_the_model_folder_is_refused(tmp_path, tiny_run):
+    model = onnx.load(str(tiny_run["run"].verified_path("onnx-fp32")))
+    inside = tmp_path / "model"
+    inside.mkdir()
+    path = inside / "evil.onnx"
+    onnx.save_model(model, str(path), save_as_external_data=True, location="weights.data",
+                    size_threshold=0)
+    proto = onnx.load(str(path), load_external_data=False)
+    for tensor in proto.graph.initializer:
+        for item in tensor.external_data:
+            if item.key == "location":
+                item.value = "../weights.data"
+    onnx.save_model(proto, str(path))
+    (inside / "weights.data").rename(tmp_path / "weights.data")
+    with pytest.raises(PipelineError, match="outside its folder"):
+        export.ort_session(path, threads=1)
+    path.write_bytes(b"not an onnx file")
+    with pytest.raises(PipelineError, match="not a readable ONNX model"):
+        export.ort_session(path, threads=1)
