@@ -29,8 +29,14 @@ class PipelineGroup(click.Group):
         debug = "--debug" in argv
         try:
             code = super().main(argv, prog_name or "pipeline", complete_var, False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:
+            click.echo(exc.ctx.get_help() if exc.ctx else exc.format_message())
+            sys.exit(0)
         except click.ClickException as exc:
-            _fail(exc.format_message(), exc.exit_code)
+            message = exc.format_message()
+            if message.startswith("No such command"):
+                message += f" Commands: {', '.join(self.list_commands(click.Context(self)))}."
+            _fail(message, exc.exit_code)
         except click.Abort:
             _fail("aborted", 1)
         except KeyboardInterrupt:

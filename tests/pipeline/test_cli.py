@@ -26,6 +26,7 @@ def invoke(*args):
     (["--run", "missing", "report"], "run 'missing' does not exist"),
     (["--device", "tpu", "train"], "'tpu' is not one of 'auto', 'cpu', 'cuda'"),
     (["report", "--batch-sizes", "1,x"], "--batch-sizes takes whole numbers"),
+    (["qantize"], "'qantize'. Did you mean 'quantize'? Commands: quantize, report, train."),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, needle):
     result = invoke("--artifacts-dir", str(tmp_path), *args)
@@ -33,6 +34,11 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, needle):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], result.stderr
     assert not (tmp_path / "runs").exists()  # nothing was started
+
+
+def test_bare_command_prints_help():
+    result = invoke()
+    assert result.exit_code == 0 and "pipeline train quantize report" in result.stdout
 
 
 def test_help_does_not_import_torch():
