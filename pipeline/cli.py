@@ -69,9 +69,10 @@ def _build(ctx: click.Context, stage: str, flags: dict):
 @click.option("--artifacts-dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("artifacts"), show_default=True, envvar="PIPELINE_ARTIFACTS_DIR",
               help="Folder that holds runs/ and the pointer to the latest run.")
-@click.option("--run", "run_name", metavar="NAME",
+@click.option("--run", "run_name", metavar="NAME", envvar="PIPELINE_RUN",
               help="Run to work on. train: name of the new run (default: a timestamp); "
-                   "other stages: an existing run (default: the latest).")
+                   "other stages: an existing run (default: the latest). Under torchrun, whose "
+                   "own parser takes --run for --run-path, set PIPELINE_RUN instead.")
 @click.option("--device", type=click.Choice(cfg.DEVICES), default="auto", show_default=True,
               help="Where to train; reports always measure on the CPU.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
@@ -102,24 +103,43 @@ def cli(ctx: click.Context, artifacts_dir, run_name, device, seed, config_file, 
 def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Path,
               run_name: str | None, **_: object) -> None:
     """Open (or, for train, create) the run once, then apply every stage to it in order."""
-    from stages import artifacts
+    from stages import artifacts, distributed
 
     if not processors:
         return
-    run = None
-    if processors[0][0] != "train":
-        run = artifacts.open_run(artifacts_dir, run_name)  # fails before any work starts
-    for stage, process in processors:
-        if stage == "train":
-            run = artifacts.create_run(artifacts_dir, run_name)
-            click.echo(f"run {run.name}: {run.root}", err=True)
-        process(run)
+    world = distributed.setup(ctx.obj["device"])  # a single process unless torchrun started us
+    try:
+        run = None
+        if processors[0][0] != "train" or ctx.obj.get("resume"):
+            run = artifacts.open_run(artifacts_dir, run_name)  # fails before any work starts
+        for stage, process in processors:
+            if stage == "train" and not ctx.obj.get("resume"):
+                # Rank 0 makes the run folder; every rank then works on the same run.
+                name = artifacts.create_run(artifacts_dir, run_name).name if world.is_main else None
+                run = artifacts.Run(Path(artifacts_dir), distributed.broadcast(name))
+                if world.is_main:
+                    click.echo(f"run {run.name}: {run.root}", err=True)
+            if stage != "train" and not world.is_main:
+                continue  # quantize and report are single-process work for rank 0
+            process(run)
+    finally:
+        distributed.teardown()
 
 
 @cli.command(context_settings=CONTEXT)
+@click.option("--resume", is_flag=True, help="Continue the latest run (or --run NAME) from its "
+              "newest good checkpoint, with the configuration it was started with.")
 @click.option("--model", help="smallcnn or any torchvision classification model.  [default: resnet18]")
-@click.option("--dataset", type=click.Choice(cfg.DATASET_NAMES), help="[default: digits]")
+@click.option("--dataset", type=click.Choice(cfg.DATASET_NAMES), help="[default: digits, built in]")
+@click.option("--data-dir", type=click.Path(file_okay=False),
+              help="Where torchvision data sets or your image folder live.  [default: data]")
+@click.option("--download/--no-download", default=None,
+              help="Let torchvision fetch the data set where the network allows.")
+@click.option("--val-fraction", type=float, help="Share of the training split held out to pick "
+              "the best epoch.  [default: 0.1]")
 @click.option("--image-size", type=int, help="Side of the square input in pixels.  [default: 32]")
+@click.option("--in-channels", type=click.Choice(["1", "3"]),
+              help="Input channels of the model; grey images are widened to 3 if asked.")
 @click.option("--epochs", type=int, help="[default: 10]")
 @click.option("--batch-size", type=int, help="[default: 64]")
 @click.option("--lr", type=float, help="Peak learning rate of SGD (cosine, warm-up).  [default: 0.05]")
@@ -131,21 +151,52 @@ def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Pa
               help="Autocast type of the amp model; auto: fp16+GradScaler on CUDA, bf16 on CPU.")
 @click.option("--baseline/--no-baseline", default=None, help="Also train the fp32 baseline.  "
               "[default: baseline]")
+@click.option("--workers", type=int, help="DataLoader worker processes.  [default: 0]")
+@click.option("--checkpoint-every", type=int, metavar="STEPS",
+              help="Also checkpoint every STEPS optimizer steps.  [default: 0, epochs only]")
+@click.option("--keep-checkpoints", type=int, help="Newest checkpoints kept (plus the best).  "
+              "[default: 2]")
+@click.option("--max-skipped-steps", type=int, help="Stop when GradScaler skips more steps than "
+              "this in a row.  [default: 25]")
+@click.option("--deterministic/--no-deterministic", default=None,
+              help="torch.use_deterministic_algorithms, for bit-identical resumes.")
 @click.pass_context
-def train(ctx: click.Context, **flags) -> Processor:
+def train(ctx: click.Context, resume: bool, **flags) -> Processor:
     """Train the `amp` model and the `fp32` baseline; save fp32 master-weight checkpoints."""
+    if resume:
+        given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
+        if given:
+            raise click.UsageError(f"--resume continues with the run's saved configuration; "
+                                   f"drop {', '.join(given)}")
+    ctx.obj["resume"] = resume
+    if flags.get("in_channels") is not None:
+        flags["in_channels"] = int(flags["in_channels"])
     flags |= {"seed": ctx.obj["seed"], "device": ctx.obj["device"], "quiet": ctx.obj["quiet"]}
-    config = _build(ctx, "train", flags)
+    config = None if resume else _build(ctx, "train", flags)
 
     def process(run) -> None:
         from stages import train as train_stage
 
-        train_stage.run(config, run)
+        chosen = config or _saved_train_config(ctx, run)
+        train_stage.run(chosen, run, resume=resume)
         for name in ("fp32", "amp"):
             if name in run.artifacts():
                 click.echo(f"{name}: {run.root / run.entry(name)['path']}")
 
     return "train", process
+
+
+def _saved_train_config(ctx: click.Context, run) -> "cfg.TrainConfig":
+    """The configuration a run was started with, for --resume; quiet and device are today's."""
+    import json
+
+    try:
+        saved = json.loads((run.root / "config.json").read_text())["train"]
+    except (OSError, KeyError, json.JSONDecodeError):
+        raise click.UsageError(f"run {run.name!r} has no saved training configuration to resume")
+    fields = {f for f in cfg.TrainConfig.__dataclass_fields__}
+    values = {k: v for k, v in saved.items() if k in fields}
+    return cfg.TrainConfig(**values | {"quiet": ctx.obj["quiet"], "device": ctx.obj["device"]})
 
 
 @cli.command(context_settings=CONTEXT)

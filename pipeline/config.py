@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DATASET_NAMES = ("digits",)
+DATASET_NAMES = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder")
 PRECISIONS = ("auto", "fp16", "bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
 # `onnx` writes the `onnx-fp32` variant; the ORT methods quantize that file.
@@ -34,7 +34,11 @@ def _at_least(flag: str, value: float, low: float) -> None:
 class TrainConfig:
     model: str = "resnet18"
     dataset: str = "digits"
+    data_dir: str = "data"
+    download: bool = False
+    val_fraction: float = 0.1
     image_size: int = 32
+    in_channels: int | None = None  # None: the data's own (1 for grey, 3 for colour)
     epochs: int = 10
     batch_size: int = 64
     lr: float = 0.05
@@ -43,12 +47,25 @@ class TrainConfig:
     grad_clip: float = 0.0
     precision: str = "auto"
     baseline: bool = True
+    workers: int = 0
+    checkpoint_every: int = 0  # steps; 0: at the end of every epoch only
+    keep_checkpoints: int = 2
+    max_skipped_steps: int = 25
+    deterministic: bool = False
     seed: int = 0
     device: str = "auto"
     quiet: bool = False
 
     def __post_init__(self) -> None:
         _choice("--dataset", self.dataset, DATASET_NAMES)
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
+        if self.in_channels is not None:
+            _choice("--in-channels", self.in_channels, (1, 3))
+        _at_least("--workers", self.workers, 0)
+        _at_least("--checkpoint-every", self.checkpoint_every, 0)
+        _at_least("--keep-checkpoints", self.keep_checkpoints, 1)
+        _at_least("--max-skipped-steps", self.max_skipped_steps, 1)
         _choice("--precision", self.precision, PRECISIONS)
         _choice("--device", self.device, DEVICES)
         _at_least("--epochs", self.epochs, 1)

@@ -172,6 +172,18 @@ class Run:
         atomic_write_json(self.manifest_path, manifest)
         return entry
 
+    def unregister(self, name: str) -> None:
+        """Drop an artifact from the manifest first, then its file: a crash in between leaves a
+        stray file, never a listed file that is missing."""
+        manifest = self.manifest()
+        entry = manifest["artifacts"].pop(name, None)
+        if entry is None:
+            return
+        atomic_write_json(self.manifest_path, manifest)
+        still_used = {e["path"] for e in manifest["artifacts"].values()}
+        if entry["path"] not in still_used:
+            (self.root / entry["path"]).unlink(missing_ok=True)
+
     def entry(self, name: str) -> dict:
         artifacts = self.artifacts()
         if name not in artifacts:

@@ -1,17 +1,28 @@
-"""Data sets as in-memory tensors, seeded stratified splits, loaders and calibration subsets.
+"""Data sets, seeded stratified splits, loaders that resume mid-epoch, calibration subsets.
 
 The default data set, scikit-learn's handwritten digits, ships inside an installed package, so
-the whole chain runs with no download. Calibration and validation always come from the training
-split; the test split is only ever used to measure.
+the whole chain runs with no download. The others are read by torchvision from --data-dir.
+Calibration and validation always come from the training split; the test split is only ever
+used to measure.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterator
 
+from stages.errors import PipelineError
 from stages.registry import lookup, register
 
 DATASETS: dict[str, Callable[..., "DataSplits"]] = {}
+# Per-channel mean and std of each training set, as published with it.
+STATS = {
+    "mnist": ((0.1307,), (0.3081,)),
+    "fashion-mnist": ((0.2860,), (0.3530,)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),  # ImageNet's
+}
 
 
 def register_dataset(name: str):
@@ -20,11 +31,13 @@ def register_dataset(name: str):
 
 @dataclass
 class DataSplits:
-    """Train (fits weights), val (picks the best epoch, scores quantization choices), test."""
+    """train (fits weights, augmented), val (picks the best epoch), test (only measures), and
+    calibration: the training images without augmentation, for static quantization."""
 
-    train: "torch.utils.data.TensorDataset"
-    val: "torch.utils.data.TensorDataset"
-    test: "torch.utils.data.TensorDataset"
+    train: "torch.utils.data.Dataset"
+    val: "torch.utils.data.Dataset"
+    test: "torch.utils.data.Dataset"
+    calibration: "torch.utils.data.Dataset"
     num_classes: int
     in_channels: int
     image_size: int
@@ -35,19 +48,22 @@ class DataSplits:
 
 def _stratified_split(labels, fraction: float, seed: int):
     """Indices (kept, held_out) with ``fraction`` of every class held out, fixed by ``seed``."""
-    from sklearn.model_selection import train_test_split
     import numpy as np
+    from sklearn.model_selection import train_test_split
 
     indices = np.arange(len(labels))
-    return train_test_split(indices, test_size=fraction, random_state=seed, stratify=labels)
+    try:
+        return train_test_split(indices, test_size=fraction, random_state=seed, stratify=labels)
+    except ValueError as exc:  # a class with a single image cannot be stratified
+        raise PipelineError(f"cannot hold out {fraction:g} of every class: {exc}") from None
 
 
 @register_dataset("digits")
-def digits(image_size: int = 32, seed: int = 0, test_fraction: float = 0.2,
-           val_fraction: float = 0.1, **_: object) -> DataSplits:
+def digits(image_size: int = 32, seed: int = 0, val_fraction: float = 0.1,
+           in_channels: int | None = None, **_: object) -> DataSplits:
     """scikit-learn's 1,797 8x8 grey digits, scaled to [0, 1], normalised, resized to image_size.
 
-    The test split depends only on a fixed seed (0), never on --seed, so that every run of every
+    The test split (20%) depends only on a fixed seed (0), never on --seed, so every run of every
     seed is scored on the same images; --seed moves the train/val split and training only.
     """
     import numpy as np
@@ -58,7 +74,7 @@ def digits(image_size: int = 32, seed: int = 0, test_fraction: float = 0.2,
     bunch = load_digits()
     images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(bunch.target, dtype=torch.long)
-    rest, test = _stratified_split(bunch.target, test_fraction, seed=0)
+    rest, test = _stratified_split(bunch.target, 0.2, seed=0)
     train, val = _stratified_split(bunch.target[rest], val_fraction, seed=seed)
     train, val = rest[train], rest[val]
 
@@ -68,26 +84,203 @@ def digits(image_size: int = 32, seed: int = 0, test_fraction: float = 0.2,
     if image_size != images.shape[-1]:
         images = F.interpolate(images, size=(image_size, image_size), mode="bilinear",
                                align_corners=False)
+    if in_channels and in_channels != 1:
+        images = images.expand(-1, in_channels, -1, -1)
 
     def subset(idx: np.ndarray) -> torch.utils.data.TensorDataset:
         idx = torch.as_tensor(np.sort(idx))
         return torch.utils.data.TensorDataset(images[idx].contiguous(), labels[idx])
 
-    return DataSplits(subset(train), subset(val), subset(test), num_classes=10, in_channels=1,
-                      image_size=image_size)
+    train_set = subset(train)
+    return DataSplits(train_set, subset(val), subset(test), train_set, num_classes=10,
+                      in_channels=images.shape[1], image_size=image_size)
+
+
+# ---------------------------------------------------------------- torchvision data sets
+
+
+class _Widen:
+    """Repeat a grey channel to the number of channels the model wants (a picklable transform,
+    so DataLoader workers can use it)."""
+
+    def __init__(self, channels: int) -> None:
+        self.channels = channels
+
+    def __call__(self, image):
+        return image.expand(self.channels, -1, -1) if image.shape[0] == 1 else image
+
+
+NATIVE_SIZE = {"mnist": 28, "fashion-mnist": 28, "cifar10": 32, "cifar100": 32}
+
+
+def _transforms(name: str, image_size: int, in_channels: int | None, train: bool):
+    """Resize (where the native size differs), light augmentation for training only, normalise,
+    and widen grey to the channels the model wants. ImageFolder already converts to RGB."""
+    from torchvision import transforms as T
+
+    mean, std = STATS[name]
+    steps = []
+    if NATIVE_SIZE.get(name) != image_size:
+        steps.append(T.Resize((image_size, image_size)))
+    if train:
+        # Shifts for everything, mirror images only where they stay valid (a mirrored digit is
+        # not the same digit).
+        steps.append(T.RandomCrop(image_size, padding=max(1, image_size // 8)))
+        if not name.endswith("mnist"):
+            steps.append(T.RandomHorizontalFlip())
+    steps += [T.ToTensor(), T.Normalize(mean, std)]
+    if in_channels and in_channels > len(mean):
+        steps.append(_Widen(in_channels))
+    return T.Compose(steps)
+
+
+def _expected_files(name: str, root: Path) -> tuple[Path, list[str]]:
+    from torchvision import datasets
+
+    if name in ("mnist", "fashion-mnist"):
+        cls = datasets.MNIST if name == "mnist" else datasets.FashionMNIST
+        return root / cls.__name__ / "raw", [Path(url).stem for url, _ in cls.resources]
+    cls = datasets.CIFAR10 if name == "cifar10" else datasets.CIFAR100
+    files = [f for f, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
+    return root / cls.base_folder, files
+
+
+def _torchvision_splits(name: str, image_size: int, seed: int, data_dir: Path, download: bool,
+                        val_fraction: float, in_channels: int | None) -> DataSplits:
+    import torch
+    from torchvision import datasets
+
+    cls = {"mnist": datasets.MNIST, "fashion-mnist": datasets.FashionMNIST,
+           "cifar10": datasets.CIFAR10, "cifar100": datasets.CIFAR100}[name]
+    root = Path(data_dir).expanduser()
+
+    def load(train: bool, augment: bool):
+        transform = _transforms(name, image_size, in_channels, augment)
+        try:
+            return cls(str(root), train=train, download=download, transform=transform)
+        except RuntimeError as exc:
+            folder, files = _expected_files(name, root)
+            hint = "" if download else "; pass --download to fetch it where the network allows"
+            raise PipelineError(f"--dataset {name}: no usable data in {folder} (expected "
+                                f"{', '.join(files)}){hint}") from exc
+        except OSError as exc:
+            raise PipelineError(f"--dataset {name}: cannot read {root}: {exc}") from exc
+
+    augmented, plain, test = load(True, True), load(True, False), load(False, False)
+    labels = torch.as_tensor(augmented.targets).numpy()
+    train_idx, val_idx = _stratified_split(labels, val_fraction, seed)
+    subset = torch.utils.data.Subset
+    channels = in_channels or len(STATS[name][0])
+    return DataSplits(subset(augmented, sorted(train_idx)), subset(plain, sorted(val_idx)), test,
+                      subset(plain, sorted(train_idx)), num_classes=len(augmented.classes),
+                      in_channels=channels, image_size=image_size)
+
+
+for _name in ("mnist", "fashion-mnist", "cifar10", "cifar100"):
+    register_dataset(_name)(
+        lambda name=_name, image_size=32, seed=0, data_dir="data", download=False,
+        val_fraction=0.1, in_channels=None, **_: _torchvision_splits(
+            name, image_size, seed, data_dir, download, val_fraction, in_channels))
+
+
+@register_dataset("imagefolder")
+def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
+                val_fraction: float = 0.1, in_channels: int | None = None,
+                **_: object) -> DataSplits:
+    """A folder of class subfolders: train/ and val/ (or test/) when present, otherwise one
+    folder split into train, val and test, each class in proportion."""
+    import torch
+    from torchvision import datasets
+
+    root = Path(data_dir).expanduser()
+    if not root.is_dir():
+        raise PipelineError(f"--dataset imagefolder: {root} is not a folder; point --data-dir at "
+                            "a folder of class subfolders (or with train/ and val/ inside)")
+
+    def folder(path: Path, augment: bool):
+        try:
+            return datasets.ImageFolder(str(path), transform=_transforms(
+                "imagefolder", image_size, in_channels, augment))
+        except (FileNotFoundError, RuntimeError) as exc:
+            raise PipelineError(f"--dataset imagefolder: {path}: {exc}; each class needs a "
+                                "subfolder of images") from None
+
+    held_out = next((root / n for n in ("val", "test") if (root / n).is_dir()), None)
+    subset = torch.utils.data.Subset
+    if (root / "train").is_dir() and held_out is not None:
+        augmented, plain = folder(root / "train", True), folder(root / "train", False)
+        test = folder(held_out, False)
+        if test.classes != augmented.classes:
+            raise PipelineError(f"--dataset imagefolder: {root / 'train'} and {held_out} have "
+                                "different class subfolders")
+        train_idx, val_idx = _stratified_split(augmented.targets, val_fraction, seed)
+    else:
+        augmented, plain = folder(root, True), folder(root, False)
+        rest, test_idx = _stratified_split(augmented.targets, val_fraction, seed=0)
+        rest_targets = [augmented.targets[i] for i in rest]
+        train_part, val_part = _stratified_split(rest_targets, val_fraction, seed)
+        train_idx, val_idx = rest[train_part], rest[val_part]
+        test = subset(plain, sorted(test_idx))
+    return DataSplits(subset(augmented, sorted(train_idx)), subset(plain, sorted(val_idx)), test,
+                      subset(plain, sorted(train_idx)), num_classes=len(augmented.classes),
+                      in_channels=in_channels or 3, image_size=image_size)
 
 
 def load_dataset(name: str, image_size: int, seed: int, **options: object) -> DataSplits:
     return lookup(DATASETS, name, "dataset")(image_size=image_size, seed=seed, **options)
 
 
-def make_loader(dataset, batch_size: int, shuffle: bool, seed: int = 0):
-    """A DataLoader whose shuffling depends only on ``seed``, so fp32 and amp see one order."""
+# ---------------------------------------------------------------- loading
+
+
+class EpochSampler:
+    """Shuffled indices that depend only on (seed, epoch): the same order for fp32 and amp, on
+    every rank's share, and after a resume, which starts ``start`` samples into the epoch."""
+
+    def __init__(self, size: int, seed: int, rank: int = 0, world_size: int = 1) -> None:
+        self.size, self.seed, self.rank, self.world_size = size, seed, rank, world_size
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def _indices(self) -> list[int]:
+        import torch
+
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        order = torch.randperm(self.size, generator=generator).tolist()
+        # Pad so that every rank gets as many samples (DistributedSampler does the same).
+        per_rank = -(-self.size // self.world_size)
+        order += order[: per_rank * self.world_size - self.size]
+        return order[self.rank::self.world_size]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._indices()[self.start:])
+
+    def __len__(self) -> int:
+        return len(self._indices()) - self.start
+
+
+def make_loader(dataset, batch_size: int, sampler=None, workers: int = 0, pin_memory: bool = False):
     import torch
 
-    generator = torch.Generator().manual_seed(seed)
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle,
-                                       generator=generator, drop_last=False)
+    # A generator of its own keeps the loader from drawing worker seeds from the global RNG,
+    # whose state a checkpoint restores: a resumed run then draws exactly what the original did.
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler,
+                                       shuffle=False, num_workers=workers, pin_memory=pin_memory,
+                                       generator=torch.Generator().manual_seed(0))
+
+
+def batches(dataset, batch_size: int = 256):
+    """(images, labels) of a data set in order, without augmentation randomness of our own."""
+    yield from make_loader(dataset, batch_size)
+
+
+def first_images(dataset, count: int):
+    import torch
+
+    count = min(count, len(dataset))
+    return torch.stack([dataset[i][0] for i in range(count)]) if count else torch.empty(0)
 
 
 def calibration_batches(splits: DataSplits, num_samples: int, batch_size: int, seed: int):
@@ -96,9 +289,8 @@ def calibration_batches(splits: DataSplits, num_samples: int, batch_size: int, s
 
     if num_samples < 1:
         raise ValueError(f"--calibration-samples must be at least 1, got {num_samples}")
-    images = splits.train.tensors[0]
-    if len(images) == 0:
+    if len(splits.calibration) == 0:
         raise ValueError("the training split is empty; static quantization needs calibration data")
-    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(seed))
-    chosen = images[order[:num_samples]]
-    return list(torch.split(chosen, batch_size))
+    order = torch.randperm(len(splits.calibration), generator=torch.Generator().manual_seed(seed))
+    chosen = torch.utils.data.Subset(splits.calibration, order[:num_samples].tolist())
+    return [images for images, _ in make_loader(chosen, batch_size)]

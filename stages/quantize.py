@@ -12,12 +12,12 @@ from typing import Callable
 
 from stages import export
 from stages.artifacts import Run, atomic_torch_save, load_checkpoint
-from stages.data import DataSplits, calibration_batches, load_dataset
+from stages.data import DataSplits, calibration_batches, first_images
 from stages.errors import PipelineError
 from stages.models import build_from_spec
 from stages.progress import say
 from stages.registry import lookup, register
-from stages.train import predict
+from stages.train import predict, splits_of_run
 
 SOURCE = "amp"  # the variant every quantized model is made from
 METHODS: dict[str, Callable[["QuantContext"], dict]] = {}
@@ -58,7 +58,7 @@ class QuantContext:
 
     def check_images(self):
         """A fixed slice of training images to compare a model before and after saving."""
-        return self.splits.train.tensors[0][:128]
+        return first_images(self.splits.calibration, 128)
 
 
 # ---------------------------------------------------------------- PyTorch backend
@@ -225,12 +225,7 @@ def ort_static(ctx: QuantContext) -> dict:
 def run(config, run: Run) -> dict[str, dict]:
     """Apply each method in config.methods to the run's `amp` model; ORT methods need `onnx`."""
     spec = run.entry(SOURCE)["model_spec"]
-    train_config = run.entry(SOURCE)["config"]
-    try:
-        splits = load_dataset(train_config["dataset"], image_size=spec["image_size"],
-                              seed=train_config["seed"])
-    except ValueError as exc:
-        raise PipelineError(str(exc)) from None
+    splits = splits_of_run(run)
     ctx = QuantContext(run, config, splits, spec, run.root / "quantize")
     ctx.folder.mkdir(parents=True, exist_ok=True)
     run.record_config("quantize", asdict(config))

@@ -5,19 +5,18 @@ all on the CPU, so that the numbers in one report can be compared with each othe
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict
 from pathlib import Path
 
-import json
-
 from stages import bench, export, plots
 from stages.artifacts import Run, atomic_write_json, atomic_write_text, open_run
-from stages.data import load_dataset
 from stages.errors import PipelineError, UsageError
 from stages.progress import say
 from stages.quantize import load_torch_model
 from stages.stats import paired_difference_interval, wilson_interval
+from stages.train import predict_dataset, splits_of_run
 
 VARIANTS = ("fp32", "amp", "torch-dynamic", "torch-static", "onnx-fp32", "ort-dynamic",
             "ort-static")
@@ -60,17 +59,13 @@ def measure_variants(run: Run, config, threads: int) -> tuple[list[dict], str]:
     present = [v for v in VARIANTS if v in artifacts]
     if not present:
         raise UsageError(f"run {run.name!r} has no model to report on; run 'pipeline train' first")
-    spec = artifacts[present[0]]["model_spec"]
-    train_config = artifacts[present[0]]["config"]
-    splits = load_dataset(train_config.get("dataset", "digits"), image_size=spec["image_size"],
-                          seed=train_config.get("seed", 0))
-    images, labels = splits.test.tensors
+    splits = splits_of_run(run)
     reference = "fp32" if "fp32" in present else present[0]
     rows, predictions, hits = [], {}, {}
     for name in present:
         say(f"report: measuring {name} ...", quiet=config.quiet)
         predict_fn, call_for = _predictor(run, name, threads)
-        logits = predict_fn(images)
+        logits, labels = predict_dataset(predict_fn, splits.test)
         predictions[name] = logits.argmax(1)
         hits[name] = (predictions[name] == labels).tolist()
         latency = {}

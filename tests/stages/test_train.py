@@ -31,8 +31,8 @@ def test_outputs_of_a_training_run(tiny_run):
         lines = (run.root / "train" / variant / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(line)["epoch"] for line in lines] == [1, 2]
         checkpoint = artifacts.load_checkpoint(run.verified_path(f"{variant}/checkpoint-last"))
-        assert {"model", "optimizer", "scheduler", "scaler", "epoch", "rng", "config"} <= set(checkpoint)
-        assert checkpoint["epoch"] == 2
+        assert {"model", "optimizer", "scheduler", "scaler", "position", "rng", "config"} <= set(checkpoint)
+        assert checkpoint["position"]["epoch"] == 2 and checkpoint["position"]["step_in_epoch"] == 21
         assert all(v.dtype == torch.float32 for v in checkpoint["model"].values() if v.is_floating_point())
     # AMP does not make the saved model smaller: master weights are fp32 in both.
     assert run.entry("fp32")["bytes"] == run.entry("amp")["bytes"]

@@ -1,0 +1,105 @@
+"""torch.distributed as torchrun sets it up: NCCL on CUDA, Gloo on CPU, rank 0 writes.
+
+Nothing here is home-made parallelism: torchrun starts the processes and sets RANK, WORLD_SIZE
+and LOCAL_RANK; we join the process group and wrap the model in DistributedDataParallel.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def setup(device: str = "auto") -> World:
+    """Join the process group torchrun prepared; a single process gets World() and no group."""
+    if not launched_by_torchrun():
+        return World()
+    import torch
+    import torch.distributed as dist
+
+    world = World(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                  int(os.environ.get("LOCAL_RANK", "0")))
+    use_cuda = device != "cpu" and torch.cuda.is_available()
+    if not dist.is_initialized():
+        if use_cuda:
+            torch.cuda.set_device(world.local_rank)
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    return world
+
+
+def current() -> World:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return World(dist.get_rank(), dist.get_world_size(),
+                     int(os.environ.get("LOCAL_RANK", "0")))
+    return World()
+
+
+def broadcast(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (the run name, for example)."""
+    import torch.distributed as dist
+
+    if not current().active:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_gather(value: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    if not current().active:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def sum_over_ranks(values: list[float], device) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    if not current().active:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def sync_buffers(model) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics). DDP broadcasts them at
+    the start of each forward, so after the last step each rank still holds its own shard's."""
+    import torch.distributed as dist
+
+    if not current().active:
+        return
+    for buffer in model.buffers():
+        dist.broadcast(buffer.data, src=0)
+
+
+def teardown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

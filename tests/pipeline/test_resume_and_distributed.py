@@ -1,0 +1,101 @@
+"""Real processes: a run killed with SIGKILL mid-epoch and resumed, and torchrun with 2 ranks."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from stages import artifacts
+from stages.train import _weights_digest
+
+TRAIN = ["train", "--model", "smallcnn", "--image-size", "32", "--batch-size", "16", "--epochs",
+         "3", "--no-baseline", "--checkpoint-every", "10", "--deterministic"]
+
+
+def _pipeline(tmp_path, *args):
+    return [sys.executable, "-m", "pipeline", "--artifacts-dir", str(tmp_path), "--quiet", *args]
+
+
+def _artifacts(tmp_path, run):
+    try:
+        return json.loads((tmp_path / "runs" / run / "manifest.json").read_text())["artifacts"]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def test_sigkill_mid_epoch_then_resume_ends_bit_identical(tmp_path):
+    subprocess.run(_pipeline(tmp_path, "--run", "whole", *TRAIN), check=True, timeout=300)
+
+    proc = subprocess.Popen(_pipeline(tmp_path, "--run", "killed", *TRAIN))
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        steps = [e.get("step") or 0 for e in _artifacts(tmp_path, "killed").values()]
+        if max(steps, default=0) >= 100:  # 81 steps an epoch: we are inside epoch 2
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    listed = _artifacts(tmp_path, "killed")
+    assert "amp" not in listed
+    folder = tmp_path / "runs" / "killed" / "train" / "amp"
+    for entry in listed.values():  # every listed file is whole
+        assert artifacts.sha256_file(tmp_path / "runs" / "killed" / entry["path"]) == entry["sha256"]
+
+    # Corrupt the newest checkpoint: resume must fall back to the one before it.
+    newest = max((e for e in listed.values() if e.get("step")), key=lambda e: e["step"])
+    path = tmp_path / "runs" / "killed" / newest["path"]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+    resumed = subprocess.run(_pipeline(tmp_path, "--run", "killed", "train", "--resume"),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"skipping amp/checkpoint-step{newest['step']:07d}: " in resumed.stderr
+    assert "resuming from amp/checkpoint-step" in resumed.stderr
+
+    run_whole = artifacts.open_run(tmp_path, "whole")
+    run_killed = artifacts.open_run(tmp_path, "killed")
+    whole = artifacts.load_checkpoint(run_whole.verified_path("amp"))["state_dict"]
+    again = artifacts.load_checkpoint(run_killed.verified_path("amp"))["state_dict"]
+    assert whole.keys() == again.keys()
+    assert all(torch.equal(whole[k], again[k]) for k in whole)
+    fields = ("epoch", "loss", "train_accuracy", "val_accuracy")
+    history = [[{k: json.loads(line)[k] for k in fields}
+                for line in (r.root / "train" / "amp" / "metrics.jsonl").read_text().splitlines()]
+               for r in (run_whole, run_killed)]
+    assert history[0] == history[1] and len(history[0]) == 3
+
+
+def test_resume_refuses_new_flags(tmp_path):
+    proc = subprocess.run(_pipeline(tmp_path, "train", "--resume", "--lr", "0.1"),
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "drop --lr" in proc.stderr
+
+
+def test_torchrun_two_cpu_ranks(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               "2", "-m", "pipeline", "--artifacts-dir", str(tmp_path), "--device", "cpu",
+               "--quiet", "train", "--model", "smallcnn", "--image-size", "8",
+               "--epochs", "2", "quantize", "--methods", "torch-static", "--calibration-samples",
+               "64"]
+    env = os.environ | {"PIPELINE_RUN": "ddp"}  # torchrun's parser would take --run
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = artifacts.open_run(tmp_path, "ddp")
+    for variant in ("fp32", "amp"):
+        training = run.entry(variant)["training"]
+        assert training["world_size"] == 2
+        model = artifacts.load_checkpoint(run.verified_path(variant))["state_dict"]
+        module = torch.nn.Module()
+        module.state_dict = lambda model=model: model  # digest of the saved weights
+        assert training["weights_sha256_all_ranks"] == _weights_digest(module)
+        assert training["test_accuracy"] > 0.3
+    assert "torch-static" in run.artifacts()  # quantize ran once, on rank 0
+    report = subprocess.run(_pipeline(tmp_path, "--run", "ddp", "report", "--repeats", "3",
+                                      "--batch-sizes", "2"), capture_output=True, text=True)
+    assert report.returncode == 0, report.stderr[-2000:]
