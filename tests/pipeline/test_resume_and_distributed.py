@@ -96,6 +96,8 @@ def test_torchrun_two_cpu_ranks(tmp_path):
         assert training["weights_sha256_all_ranks"] == _weights_digest(module)
         assert training["test_accuracy"] > 0.3
     assert "torch-static" in run.artifacts()  # quantize ran once, on rank 0
+    for name in run.artifacts():  # the run folder is complete and every file is the listed one
+        run.verified_path(name)
     report = subprocess.run(_pipeline(tmp_path, "--run", "ddp", "report", "--repeats", "3",
                                       "--batch-sizes", "2"), capture_output=True, text=True)
     assert report.returncode == 0, report.stderr[-2000:]
