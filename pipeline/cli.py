@@ -121,9 +121,27 @@ def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Pa
                     click.echo(f"run {run.name}: {run.root}", err=True)
             if stage != "train" and not world.is_main:
                 continue  # quantize and report are single-process work for rank 0
-            process(run)
+            _run_stage(run, stage, process, world.is_main)
     finally:
         distributed.teardown()
+
+
+def _run_stage(run, stage: str, process: Callable, writes: bool) -> None:
+    """Mark the stage running, then complete or failed, so that a run is never taken for
+    complete when a stage died half-way."""
+    if writes:
+        run.mark_stage(stage, "running")
+    try:
+        process(run)
+    except BaseException as exc:
+        if writes:
+            try:
+                run.mark_stage(stage, "failed", f"{type(exc).__name__}: {exc}"[:500])
+            except Exception:  # the disk may be what failed; the original error matters more
+                pass
+        raise
+    if writes:
+        run.mark_stage(stage, "complete")
 
 
 @cli.command(context_settings=CONTEXT)
@@ -152,6 +170,10 @@ def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Pa
 @click.option("--baseline/--no-baseline", default=None, help="Also train the fp32 baseline.  "
               "[default: baseline]")
 @click.option("--workers", type=int, help="DataLoader worker processes.  [default: 0]")
+@click.option("--loader-timeout", type=float, metavar="SECONDS",
+              help="Give up on a DataLoader worker silent this long.  [default: 300]")
+@click.option("--skip-bad-images", is_flag=True, default=None,
+              help="Skip unreadable files in an image folder (counted) instead of stopping.")
 @click.option("--checkpoint-every", type=int, metavar="STEPS",
               help="Also checkpoint every STEPS optimizer steps.  [default: 0, epochs only]")
 @click.option("--keep-checkpoints", type=int, help="Newest checkpoints kept (plus the best).  "

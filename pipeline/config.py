@@ -26,7 +26,7 @@ def _choice(flag: str, value: Any, allowed: tuple) -> None:
 
 
 def _at_least(flag: str, value: float, low: float) -> None:
-    if value < low:
+    if not value >= low:  # also refuses NaN
         raise ValueError(f"{flag} must be at least {low}, got {value}")
 
 
@@ -48,6 +48,8 @@ class TrainConfig:
     precision: str = "auto"
     baseline: bool = True
     workers: int = 0
+    loader_timeout: float = 300.0
+    skip_bad_images: bool = False
     checkpoint_every: int = 0  # steps; 0: at the end of every epoch only
     keep_checkpoints: int = 2
     max_skipped_steps: int = 25
@@ -63,6 +65,8 @@ class TrainConfig:
         if self.in_channels is not None:
             _choice("--in-channels", self.in_channels, (1, 3))
         _at_least("--workers", self.workers, 0)
+        if not self.loader_timeout > 0:
+            raise ValueError(f"--loader-timeout must be greater than 0, got {self.loader_timeout}")
         _at_least("--checkpoint-every", self.checkpoint_every, 0)
         _at_least("--keep-checkpoints", self.keep_checkpoints, 1)
         _at_least("--max-skipped-steps", self.max_skipped_steps, 1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
 import hashlib
 import json
 import os
@@ -20,6 +21,9 @@ from typing import Any, Callable, Iterator
 from stages.errors import PipelineError, UsageError
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+TEMP_SUFFIX = ".tmp"
+# Errors of the disk rather than of the code: full, quota, read-only, I/O.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM}
 
 
 # ---------------------------------------------------------------- atomic writes
@@ -44,9 +48,14 @@ def atomic_path(path: Path) -> Iterator[Path]:
     to the temporary path, so a crash never leaves a half file under the real name.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX,
+                                        dir=path.parent)
+        os.close(fd)
+    except OSError as exc:
+        raise PipelineError(f"cannot write in {path.parent}: {exc.strerror}; choose a writable "
+                            "--artifacts-dir") from None
     tmp = Path(tmp_name)
     try:
         yield tmp
@@ -54,8 +63,22 @@ def atomic_path(path: Path) -> Iterator[Path]:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
+    except OSError as exc:
+        if exc.errno not in WRITE_ERRNOS:
+            raise
+        raise PipelineError(f"writing {path} failed: {exc.strerror}; nothing was written under "
+                            "that name (free some space or choose another --artifacts-dir)") from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def remove_stale_temporaries(folder: Path) -> int:
+    """Delete temporary files a killed process left behind (never a file under a real name)."""
+    removed = 0
+    for stale in Path(folder).glob(f".*{TEMP_SUFFIX}"):
+        stale.unlink(missing_ok=True)
+        removed += 1
+    return removed
 
 
 def atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
@@ -203,6 +226,16 @@ class Run:
                                 "that writes it")
         return path
 
+    def mark_stage(self, stage: str, status: str, detail: str | None = None) -> None:
+        """running -> complete (or failed): a run is complete only where its manifest says so."""
+        manifest = self.manifest()
+        stages = manifest.setdefault("stages", {})
+        stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        stages[stage] = stages.get(stage, {}) | {"status": status, status: stamp}
+        if detail:
+            stages[stage]["error"] = detail
+        atomic_write_json(self.manifest_path, manifest)
+
     def record_config(self, stage: str, config: dict) -> None:
         path = self.root / "config.json"
         data = json.loads(path.read_text()) if path.exists() else {}
@@ -232,25 +265,24 @@ def create_run(artifacts_dir: Path, name: str | None = None) -> Run:
     run = Run(artifacts_dir, name)
     try:
         _runs_dir(artifacts_dir).mkdir(parents=True, exist_ok=True)
-        if explicit and run.root.exists():
-            raise UsageError(f"run {name!r} already exists in {artifacts_dir}; choose another "
-                             "--run name or leave it out for a new timestamped run")
-        if run.root.exists():
-            # A timestamp can collide when two runs start in one second: add a suffix.
-            base, n = name, 1
-            while run.root.exists():
-                n += 1
-                run = Run(artifacts_dir, f"{base}-{n}")
-        run.root.mkdir()
-    except UsageError:
-        raise
+        for attempt in range(1, 1000):
+            try:
+                run.root.mkdir()  # exclusive: two processes cannot both make one folder
+                break
+            except FileExistsError:
+                if explicit:
+                    raise UsageError(f"run {name!r} already exists in {artifacts_dir}; choose "
+                                     "another --run name or leave it out for a new run") from None
+                # Two runs started in the same second: the second one gets a suffix.
+                run = Run(artifacts_dir, f"{name}-{attempt + 1}")
     except OSError as exc:
-        raise PipelineError(f"cannot create run folder under {artifacts_dir}: {exc.strerror}; "
+        raise PipelineError(f"cannot create a run folder under {artifacts_dir}: {exc.strerror}; "
                             "choose a writable --artifacts-dir") from None
     atomic_write_json(run.manifest_path, {
         "run": run.name,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "versions": versions(),
+        "stages": {},
         "artifacts": {},
     })
     atomic_write_text(artifacts_dir / "latest", run.name + "\n")

@@ -41,6 +41,7 @@ class DataSplits:
     num_classes: int
     in_channels: int
     image_size: int
+    skipped_images: int = 0
 
     def input_shape(self, batch_size: int) -> tuple[int, int, int, int]:
         return (batch_size, self.in_channels, self.image_size, self.image_size)
@@ -183,10 +184,30 @@ for _name in ("mnist", "fashion-mnist", "cifar10", "cifar100"):
             name, image_size, seed, data_dir, download, val_fraction, in_channels))
 
 
+def _unreadable_images(paths: list[str]) -> list[str]:
+    """Files PIL cannot decode completely: zero bytes, truncated, or not an image at all."""
+    from PIL import Image
+
+    bad = []
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                image.load()
+        except Exception:  # PIL raises many kinds (UnidentifiedImageError, OSError, SyntaxError)
+            bad.append(path)
+    return bad
+
+
+def _drop_images(folder_dataset, bad: set[str]) -> None:
+    kept = [(p, t) for p, t in folder_dataset.samples if p not in bad]
+    folder_dataset.samples = folder_dataset.imgs = kept
+    folder_dataset.targets = [t for _, t in kept]
+
+
 @register_dataset("imagefolder")
 def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
                 val_fraction: float = 0.1, in_channels: int | None = None,
-                **_: object) -> DataSplits:
+                skip_bad_images: bool = False, **_: object) -> DataSplits:
     """A folder of class subfolders: train/ and val/ (or test/) when present, otherwise one
     folder split into train, val and test, each class in proportion."""
     import torch
@@ -197,25 +218,41 @@ def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
         raise PipelineError(f"--dataset imagefolder: {root} is not a folder; point --data-dir at "
                             "a folder of class subfolders (or with train/ and val/ inside)")
 
-    def folder(path: Path, augment: bool):
+    skipped, scanned = 0, {}
+
+    def folder(path: Path, augment: bool, count: bool):
+        """ImageFolder of ``path``; ``count``: add its skipped files to the total (each file is
+        read by two datasets, with and without augmentation, but counted once)."""
+        nonlocal skipped
         try:
-            return datasets.ImageFolder(str(path), transform=_transforms(
+            found = datasets.ImageFolder(str(path), transform=_transforms(
                 "imagefolder", image_size, in_channels, augment))
         except (FileNotFoundError, RuntimeError) as exc:
             raise PipelineError(f"--dataset imagefolder: {path}: {exc}; each class needs a "
                                 "subfolder of images") from None
+        if path not in scanned:  # each folder is opened twice; decode its files once
+            scanned[path] = _unreadable_images([p for p, _ in found.samples])
+        bad = scanned[path]
+        if bad and not skip_bad_images:
+            shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            raise PipelineError(f"--dataset imagefolder: {len(bad)} unreadable image(s): {shown}; "
+                                "remove them or pass --skip-bad-images")
+        if bad:
+            _drop_images(found, set(bad))
+            skipped += len(bad) if count else 0
+        return found
 
     held_out = next((root / n for n in ("val", "test") if (root / n).is_dir()), None)
     subset = torch.utils.data.Subset
     if (root / "train").is_dir() and held_out is not None:
-        augmented, plain = folder(root / "train", True), folder(root / "train", False)
-        test = folder(held_out, False)
+        augmented, plain = folder(root / "train", True, True), folder(root / "train", False, False)
+        test = folder(held_out, False, True)
         if test.classes != augmented.classes:
             raise PipelineError(f"--dataset imagefolder: {root / 'train'} and {held_out} have "
                                 "different class subfolders")
         train_idx, val_idx = _stratified_split(augmented.targets, val_fraction, seed)
     else:
-        augmented, plain = folder(root, True), folder(root, False)
+        augmented, plain = folder(root, True, True), folder(root, False, False)
         rest, test_idx = _stratified_split(augmented.targets, val_fraction, seed=0)
         rest_targets = [augmented.targets[i] for i in rest]
         train_part, val_part = _stratified_split(rest_targets, val_fraction, seed)
@@ -223,7 +260,8 @@ def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
         test = subset(plain, sorted(test_idx))
     return DataSplits(subset(augmented, sorted(train_idx)), subset(plain, sorted(val_idx)), test,
                       subset(plain, sorted(train_idx)), num_classes=len(augmented.classes),
-                      in_channels=in_channels or 3, image_size=image_size)
+                      in_channels=in_channels or 3, image_size=image_size,
+                      skipped_images=skipped)
 
 
 def load_dataset(name: str, image_size: int, seed: int, **options: object) -> DataSplits:
@@ -261,14 +299,15 @@ class EpochSampler:
         return len(self._indices()) - self.start
 
 
-def make_loader(dataset, batch_size: int, sampler=None, workers: int = 0, pin_memory: bool = False):
+def make_loader(dataset, batch_size: int, sampler=None, workers: int = 0, pin_memory: bool = False,
+                timeout: float = 0):
     import torch
 
     # A generator of its own keeps the loader from drawing worker seeds from the global RNG,
     # whose state a checkpoint restores: a resumed run then draws exactly what the original did.
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                                        shuffle=False, num_workers=workers, pin_memory=pin_memory,
-                                       generator=torch.Generator().manual_seed(0))
+                                       timeout=timeout, generator=torch.Generator().manual_seed(0))
 
 
 def batches(dataset, batch_size: int = 256):
@@ -294,3 +333,21 @@ def calibration_batches(splits: DataSplits, num_samples: int, batch_size: int, s
     order = torch.randperm(len(splits.calibration), generator=torch.Generator().manual_seed(seed))
     chosen = torch.utils.data.Subset(splits.calibration, order[:num_samples].tolist())
     return [images for images, _ in make_loader(chosen, batch_size)]
+
+
+def check_calibration(batches: list, shape: tuple[int, int, int]) -> None:
+    """Refuse calibration data that would quantize a model wrongly, before any work starts."""
+    import torch
+
+    if not batches or sum(len(b) for b in batches) == 0:
+        raise PipelineError("calibration data is empty; static quantization needs training "
+                            "images (raise --calibration-samples)")
+    for i, batch in enumerate(batches):
+        if not isinstance(batch, torch.Tensor) or batch.dtype != torch.float32:
+            kind = getattr(batch, "dtype", type(batch).__name__)
+            raise PipelineError(f"calibration batch {i} is {kind}; expected float32 images")
+        if batch.dim() != 4 or tuple(batch.shape[1:]) != tuple(shape):
+            raise PipelineError(f"calibration batch {i} has shape {tuple(batch.shape)}; expected "
+                                f"(N, {', '.join(map(str, shape))}) like the model's input")
+        if not torch.isfinite(batch).all():
+            raise PipelineError(f"calibration batch {i} holds NaN or infinite values")

@@ -12,7 +12,7 @@ from typing import Callable
 
 from stages import export
 from stages.artifacts import Run, atomic_torch_save, load_checkpoint
-from stages.data import DataSplits, calibration_batches, first_images
+from stages.data import DataSplits, calibration_batches, check_calibration, first_images
 from stages.errors import PipelineError
 from stages.models import build_from_spec
 from stages.progress import say
@@ -54,6 +54,8 @@ class QuantContext:
                                                     self.config.seed)
             except ValueError as exc:
                 raise PipelineError(str(exc)) from None
+            check_calibration(self._batches, (self.spec["in_channels"], self.spec["image_size"],
+                                              self.spec["image_size"]))
         return self._batches
 
     def check_images(self):
@@ -230,6 +232,8 @@ def run(config, run: Run) -> dict[str, dict]:
     ctx.folder.mkdir(parents=True, exist_ok=True)
     run.record_config("quantize", asdict(config))
     methods = list(config.methods)
+    if any(m.endswith("-static") for m in methods):
+        ctx.calibration()  # bad calibration data stops the stage before anything is written
     needs_onnx = any(m.startswith("ort-") for m in methods)
     if needs_onnx and "onnx" not in methods and "onnx-fp32" not in run.artifacts():
         methods.insert(0, "onnx")

@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from stages import distributed
-from stages.artifacts import Run, atomic_torch_save, atomic_write_text, load_checkpoint
+from stages.artifacts import (Run, atomic_torch_save, atomic_write_text, load_checkpoint,
+                              remove_stale_temporaries)
 from stages.data import DataSplits, EpochSampler, batches, load_dataset, make_loader
 from stages.errors import PipelineError
 from stages.memory import PeakMemory
@@ -46,6 +47,7 @@ class TrainResult:
     final_loss: float
     epochs: int
     resumed_from: str | None
+    skipped_images: int = 0
 
 
 # ---------------------------------------------------------------- shared with other stages
@@ -84,10 +86,14 @@ def dataset_accuracy(model, dataset, device) -> float:
 
 
 def load_splits(config) -> DataSplits:
+    """The splits a training config names (a saved config from an older run may lack keys)."""
+    option = lambda name, default: getattr(config, name, default)  # noqa: E731
     try:
         return load_dataset(config.dataset, image_size=config.image_size, seed=config.seed,
-                            data_dir=config.data_dir, download=config.download,
-                            val_fraction=config.val_fraction, in_channels=config.in_channels)
+                            data_dir=option("data_dir", "data"), download=option("download", False),
+                            val_fraction=option("val_fraction", 0.1),
+                            in_channels=option("in_channels", None),
+                            skip_bad_images=option("skip_bad_images", False))
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
 
@@ -146,9 +152,13 @@ def newest_good_checkpoint(run: Run, variant: str) -> tuple[str, dict] | None:
     """The newest checkpoint that matches its sha256 and loads; older ones are the fallback."""
     for _, name in _checkpoints_of(run, variant):
         try:
-            return name, load_checkpoint(run.verified_path(name))
-        except PipelineError as exc:
+            path = run.verified_path(name)
+        except PipelineError as exc:  # truncated or bit-flipped: the previous one will do
             say(f"resume: skipping {exc}")
+            continue
+        # A file that matches the manifest but will not load as weights was written by someone
+        # else, manifest and all: refuse it rather than fall back silently.
+        return name, load_checkpoint(path)
     return None
 
 
@@ -188,6 +198,27 @@ def _weights_digest(model) -> str:
     return digest.hexdigest()
 
 
+def _guard_workers(batches_of_epoch, variant: str, epoch: int, pos: dict, folder: Path):
+    """The epoch's batches; a DataLoader worker that dies or goes silent becomes one clear error
+    (the checkpoints already written stay as they are)."""
+    iterator = iter(batches_of_epoch)
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except RuntimeError as exc:
+            text = str(exc)
+            if "DataLoader worker" not in text and "timed out" not in text:
+                raise
+            raise PipelineError(
+                f"{variant}: a DataLoader worker died or hung at epoch {epoch} step "
+                f"{pos['step_in_epoch'] + 1} ({text.splitlines()[0][:160]}); checkpoints in "
+                f"{folder} are intact: fix the data or use --workers 0, then 'pipeline train "
+                "--resume'") from None
+        yield batch
+
+
 def train_variant(variant: str, precision: Precision, splits: DataSplits, config, run: Run,
                   device, resume: bool = False) -> TrainResult:
     """Train one model (or continue it) and write checkpoints, metrics.jsonl and model.pt."""
@@ -210,7 +241,10 @@ def train_variant(variant: str, precision: Precision, splits: DataSplits, config
             model, device_ids=[device.index] if device.type == "cuda" else None)
     sampler = EpochSampler(len(splits.train), config.seed, world.rank, world.world_size)
     loader = make_loader(splits.train, config.batch_size, sampler, config.workers,
-                         pin_memory=device.type == "cuda")
+                         pin_memory=device.type == "cuda",
+                         timeout=getattr(config, "loader_timeout", 0) if config.workers else 0)
+    if world.is_main:
+        remove_stale_temporaries(folder)
     steps_per_epoch = len(loader)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9, nesterov=True,
                                 weight_decay=config.weight_decay)
@@ -259,7 +293,7 @@ def train_variant(variant: str, precision: Precision, splits: DataSplits, config
             bar = progress(loader, desc=f"{variant} {epoch}/{config.epochs}", quiet=config.quiet
                            or not world.is_main)
             started = tick = time.perf_counter()
-            for images, labels in bar:
+            for images, labels in _guard_workers(bar, variant, epoch, pos, folder):
                 images = images.to(device, non_blocking=True)
                 labels = labels.to(device, non_blocking=True)
                 if device.type == "cuda":
@@ -323,7 +357,8 @@ def train_variant(variant: str, precision: Precision, splits: DataSplits, config
             record = {"epoch": epoch, "loss": loss_sum / seen, "train_accuracy": correct / seen,
                       "val_accuracy": val_acc, "lr": scheduler.get_last_lr()[0],
                       "seconds": totals["seconds"], "samples_per_second":
-                      totals["samples"] / totals["seconds"], "skipped_steps": totals["skipped"]}
+                      totals["samples"] / totals["seconds"], "skipped_steps": totals["skipped"],
+                      "skipped_images": splits.skipped_images}
             history.append(record)
             best = val_acc > totals["best_val"]
             totals["best_val"] = max(totals["best_val"], val_acc)
@@ -350,7 +385,7 @@ def train_variant(variant: str, precision: Precision, splits: DataSplits, config
         test_accuracy=test_acc, val_accuracy=last["val_accuracy"],
         skipped_steps=totals["skipped"],
         optimizer_steps=pos["global_step"] - totals["skipped"], final_loss=last["loss"],
-        epochs=config.epochs, resumed_from=resumed_from)
+        epochs=config.epochs, resumed_from=resumed_from, skipped_images=splits.skipped_images)
     if world.is_main:
         weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         atomic_torch_save({"model_spec": spec, "state_dict": weights}, folder / "model.pt")

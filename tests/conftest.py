@@ -19,3 +19,14 @@ def tiny_run(tmp_path_factory):
     quantize.run(QuantizeConfig(calibration_samples=128, quiet=True), run)
     report_data = report.run(ReportConfig(**TINY_REPORT), run)
     return {"run": run, "train": {r.variant: r for r in train_results}, "report": report_data}
+
+
+@pytest.fixture
+def fresh_tiny_run(tmp_path):
+    """A tiny run of its own (a test may damage it): trained, quantized with torch-static."""
+    from stages import artifacts, quantize, train
+
+    run = artifacts.create_run(tmp_path / "artifacts", "fresh")
+    train.run(TrainConfig(**TINY_TRAIN), run)
+    quantize.run(QuantizeConfig(methods="torch-static", calibration_samples=64, quiet=True), run)
+    return run

@@ -1,0 +1,135 @@
+"""Bad calibration data, corrupt image files, and random option values: clean errors only."""
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from pipeline import config as cfg
+from pipeline.cli import cli
+from stages import train
+from stages.data import check_calibration, load_dataset
+from stages.errors import PipelineError
+
+
+@pytest.mark.parametrize("batches, message", [
+    ([], "calibration data is empty"),
+    ([torch.zeros(0, 1, 8, 8)], "calibration data is empty"),
+    ([torch.zeros(4, 3, 8, 8)], r"shape \(4, 3, 8, 8\); expected \(N, 1, 8, 8\)"),
+    ([torch.zeros(4, 8, 8)], r"shape \(4, 8, 8\); expected \(N, 1, 8, 8\)"),
+    ([torch.zeros(4, 1, 8, 8, dtype=torch.uint8)], "torch.uint8; expected float32"),
+    ([torch.full((4, 1, 8, 8), float("nan"))], "NaN or infinite"),
+])
+def test_bad_calibration_data_is_refused_with_what_was_expected(batches, message):
+    with pytest.raises(PipelineError, match=message):
+        check_calibration(batches, (1, 8, 8))
+    check_calibration([torch.zeros(4, 1, 8, 8)], (1, 8, 8))  # the good case passes
+
+
+def test_quantize_checks_calibration_before_writing_anything(fresh_tiny_run, monkeypatch):
+    from pipeline.config import QuantizeConfig
+    from stages import quantize
+
+    run = fresh_tiny_run
+    before = set(run.artifacts())
+    monkeypatch.setattr(quantize, "calibration_batches",
+                        lambda *a, **k: [torch.zeros(4, 3, 8, 8)])
+    with pytest.raises(PipelineError, match="expected"):
+        quantize.run(QuantizeConfig(methods="onnx,ort-static", quiet=True), run)
+    assert set(run.artifacts()) == before  # not even the ONNX export ran
+
+
+def _image_folder(root):
+    rng = np.random.default_rng(0)
+    for c in range(2):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(10):
+            Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(
+                root / f"c{c}" / f"{i}.png")
+    good = (root / "c0" / "0.png").read_bytes()
+    (root / "c0" / "empty.png").write_bytes(b"")
+    (root / "c1" / "truncated.png").write_bytes(good[: len(good) // 2])
+    (root / "c1" / "text.png").write_text("this is not an image")
+    return root
+
+
+def test_corrupt_images_are_named_or_skipped_and_counted(tmp_path):
+    root = _image_folder(tmp_path / "images")
+    with pytest.raises(PipelineError) as raised:
+        load_dataset("imagefolder", image_size=8, seed=0, data_dir=root)
+    message = str(raised.value)
+    assert "3 unreadable image(s)" in message
+    for name in ("empty.png", "truncated.png", "text.png"):
+        assert name in message
+    splits = load_dataset("imagefolder", image_size=8, seed=0, data_dir=root, skip_bad_images=True)
+    assert splits.skipped_images == 3
+    assert len(splits.train) + len(splits.val) + len(splits.test) == 20
+
+
+def test_skipped_images_are_counted_in_the_run(tmp_path):
+    from stages import artifacts
+
+    root = _image_folder(tmp_path / "images")
+    run = artifacts.create_run(tmp_path / "artifacts", "skip")
+    (result,) = train.run(cfg.TrainConfig(model="smallcnn", dataset="imagefolder",
+                                          data_dir=str(root), image_size=8, epochs=1,
+                                          baseline=False, skip_bad_images=True, quiet=True), run)
+    assert result.skipped_images == 3
+    assert '"skipped_images": 3' in (run.root / "train" / "amp" / "metrics.jsonl").read_text()
+
+
+NUMBERS = st.one_of(st.integers(-10**6, 10**6), st.floats(allow_nan=True, allow_infinity=True))
+FIELD_VALUES = {
+    int: st.integers(-10**6, 10**6), float: NUMBERS, bool: st.booleans(),
+    str: st.text(max_size=12), "int | None": st.one_of(st.none(), st.integers(-5, 5)),
+}
+
+
+def _config_strategy(config_class, skip=("model",)):
+    fields = {}
+    for field in config_class.__dataclass_fields__.values():
+        if field.name in skip:
+            continue
+        kind = field.type if field.type in FIELD_VALUES else None
+        if kind is None and field.type in ("int", "float", "bool", "str"):
+            kind = field.type
+        strategy = FIELD_VALUES.get({"int": int, "float": float, "bool": bool, "str": str}.get(
+            kind, kind), st.text(max_size=12))
+        fields[field.name] = st.one_of(st.just(field.default), strategy)
+    return st.fixed_dictionaries(fields)
+
+
+@pytest.mark.parametrize("stage", ["train", "quantize", "report"])
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_configs_either_build_or_raise_a_value_error_that_names_a_flag(stage, data):
+    values = data.draw(_config_strategy(cfg.STAGE_CONFIGS[stage]))
+    if stage == "train":
+        values["model"] = "smallcnn"
+    try:
+        cfg.STAGE_CONFIGS[stage](**values)
+    except ValueError as exc:
+        assert str(exc).startswith("--"), exc  # names the flag
+        assert "\n" not in str(exc)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(epochs=st.text(max_size=6), lr=st.text(max_size=6), batch=st.text(max_size=6),
+       sizes=st.text(max_size=8))
+def test_random_option_values_give_usage_errors_never_tracebacks(tmp_path, monkeypatch, epochs,
+                                                                 lr, batch, sizes):
+    monkeypatch.setattr(train, "run", lambda config, run, resume=False: [])
+    from stages import report
+
+    monkeypatch.setattr(report, "run", lambda config, run: (_ for _ in ()).throw(
+        PipelineError("report skipped in this test")))
+    result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "--quiet", "train",
+                                      "--model", "smallcnn", "--epochs", epochs, "--lr", lr,
+                                      "--batch-size", batch, "report", "--batch-sizes", sizes])
+    assert result.exit_code in (1, 2), result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) >= 1 and lines[-1].startswith("pipeline: error:"), result.stderr
+    assert "Traceback" not in result.stderr

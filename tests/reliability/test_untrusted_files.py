@@ -1,0 +1,129 @@
+"""Checkpoints and ONNX files from elsewhere: refused cleanly, never executed."""
+import json
+import pickle
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+
+from stages import artifacts, export
+from stages.errors import PipelineError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_source_never_unpickles_arbitrary_objects():
+    offenders = []
+    for path in [*ROOT.glob("pipeline/*.py"), *ROOT.glob("stages/*.py"),
+                 *ROOT.glob("benchmarks/*.py")]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            if (re.search(r"\bpickle\.loads?\(", code) or "allow_pickle=True" in code
+                    or "weights_only=False" in code
+                    or ("torch.load(" in code and "weights_only=True" not in code)):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offenders, offenders
+
+
+class Payload:
+    """Unpickling this runs ``open(marker, 'w')``: the side effect the tests look for."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _plant(run, name, content: bytes):
+    """Replace an artifact and its manifest entry, as a tampered download would."""
+    relative = run.entry(name)["path"]
+    path = run.root / relative
+    path.write_bytes(content)
+    manifest = json.loads(run.manifest_path.read_text())
+    for entry in manifest["artifacts"].values():
+        if entry["path"] == relative:
+            entry |= {"sha256": artifacts.sha256_file(path), "bytes": path.stat().st_size}
+    run.manifest_path.write_text(json.dumps(manifest))
+
+
+def _pipeline(run, *args):
+    return subprocess.run([sys.executable, "-m", "pipeline", "--artifacts-dir",
+                           str(run.artifacts_dir), "--run", run.name, "--quiet", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("stage_args, target", [
+    (["quantize", "--methods", "torch-static"], "amp"),
+    (["report", "--repeats", "3", "--batch-sizes", "2"], "fp32"),
+    (["train", "--resume"], "amp/checkpoint-step0000042"),  # the newest of 2 epochs
+])
+def test_a_code_carrying_checkpoint_is_refused_by_every_stage(fresh_tiny_run, tmp_path,
+                                                              stage_args, target):
+    run = fresh_tiny_run
+    marker = tmp_path / "payload-ran"
+    if target.startswith("amp/checkpoint"):  # make the resume start from the planted file
+        manifest = json.loads(run.manifest_path.read_text())
+        del manifest["artifacts"]["amp"]
+        run.manifest_path.write_text(json.dumps(manifest))
+    _plant(run, target, pickle.dumps({"state_dict": Payload(marker)}))
+    proc = _pipeline(run, *stage_args)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert "weights-only" in lines[-1] and lines[-1].startswith("pipeline: error:")
+    assert not marker.exists()
+
+
+def test_a_flipped_bit_is_reported_by_name(fresh_tiny_run):
+    run = fresh_tiny_run
+    path = run.root / run.entry("torch-static")["path"]
+    data = bytearray(path.read_bytes())
+    data[100] ^= 1
+    path.write_bytes(bytes(data))
+    proc = _pipeline(run, "report", "--repeats", "3", "--batch-sizes", "2")
+    assert proc.returncode == 1
+    assert "torch-static" in proc.stderr and "sha256" in proc.stderr
+
+
+def _onnx_with_external_data(folder: Path, source: Path, location: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.onnx"
+    onnx.save_model(onnx.load(str(source)), str(path), save_as_external_data=True,
+                    location="weights.data", size_threshold=0)
+    proto = onnx.load(str(path), load_external_data=False)
+    for tensor in proto.graph.initializer:
+        for item in tensor.external_data:
+            if item.key == "location":
+                item.value = location
+    onnx.save_model(proto, str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["parent", "absolute", "symlink"])
+def test_external_data_pointing_outside_is_refused(tiny_run, tmp_path, kind):
+    source = tiny_run["run"].verified_path("onnx-fp32")
+    outside = tmp_path / "secret.data"
+    outside.write_bytes(b"\0" * 64)
+    location = {"parent": "../secret.data", "absolute": str(outside), "symlink": "link.data"}[kind]
+    path = _onnx_with_external_data(tmp_path / "model", source, location)
+    if kind == "symlink":
+        (tmp_path / "model" / "link.data").symlink_to(outside)
+    with pytest.raises(PipelineError, match="outside its folder"):
+        export.ort_session(path, threads=1)
+
+
+@pytest.mark.parametrize("content", ["garbage", "truncated"])
+def test_garbage_or_truncated_onnx_is_a_clean_error_in_a_subprocess(tiny_run, tmp_path, content):
+    source = tiny_run["run"].verified_path("onnx-fp32").read_bytes()
+    path = tmp_path / "broken.onnx"
+    path.write_bytes(b"\x08\x07garbage" * 50 if content == "garbage" else source[: len(source) // 2])
+    code = ("import sys\nfrom stages import export\nfrom stages.errors import PipelineError\n"
+            "try:\n    export.ort_session(sys.argv[1], 1)\nexcept PipelineError as e:\n"
+            "    print('CLEAN', e)\n    sys.exit(3)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 3, (proc.returncode, proc.stderr[-1000:])  # not a crash
+    assert proc.stdout.startswith("CLEAN") and str(path) in proc.stdout
