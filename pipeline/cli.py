@@ -227,9 +227,20 @@ def _saved_train_config(ctx: click.Context, run) -> "cfg.TrainConfig":
 @click.option("--calibration-samples", type=int,
               help="Training images static quantization observes.  [default: 512]")
 @click.option("--calibration-method", type=click.Choice(cfg.CALIBRATION_METHODS),
-              help="ONNX Runtime static calibration.  [default: minmax]")
+              help="ORT: as named; PyTorch: minmax observer, or histogram for entropy and "
+                   "percentile.  [default: minmax for ORT, histogram for PyTorch]")
 @click.option("--per-channel/--per-tensor", default=None,
-              help="ONNX Runtime static weight scales.  [default: per-tensor, the fast one here]")
+              help="Weight scales.  [default: per-tensor for ORT, per-channel for PyTorch]")
+@click.option("--ort-types", type=click.Choice(cfg.ORT_TYPES),
+              help="ORT activation/weight types.  [default: u8s8]")
+@click.option("--ort-format", type=click.Choice(cfg.ORT_FORMATS),
+              help="ORT static graph format; QOperator only on request.  [default: qdq]")
+@click.option("--auto", is_flag=True, default=None,
+              help="Try several static configurations per backend on held-out training images; "
+                   "keep the fastest within --max-accuracy-drop.")
+@click.option("--max-accuracy-drop", type=float, metavar="POINTS",
+              help="Validation accuracy a static model may lose against its float source; "
+                   "beyond it, sensitive layers stay float.  [default: 1.0]")
 @click.pass_context
 def quantize(ctx: click.Context, **flags) -> Processor:
     """Quantize the run's `amp` model: PyTorch dynamic/static int8, ONNX, ORT dynamic/static."""

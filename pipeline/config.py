@@ -18,6 +18,8 @@ DEVICES = ("auto", "cpu", "cuda")
 # `onnx` writes the `onnx-fp32` variant; the ORT methods quantize that file.
 QUANT_METHODS = ("torch-dynamic", "torch-static", "onnx", "ort-dynamic", "ort-static")
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
+ORT_TYPES = ("u8s8", "s8s8")
+ORT_FORMATS = ("qdq", "qoperator")
 
 
 def _choice(flag: str, value: Any, allowed: tuple) -> None:
@@ -93,8 +95,12 @@ class QuantizeConfig:
     methods: tuple[str, ...] = QUANT_METHODS
     calibration_samples: int = 512
     calibration_batch_size: int = 32
-    calibration_method: str = "minmax"
-    per_channel: bool = False
+    calibration_method: str | None = None  # None: each backend's fast default
+    per_channel: bool | None = None  # None: per-channel for PyTorch, per-tensor for ORT
+    ort_types: str = "u8s8"
+    ort_format: str = "qdq"
+    auto: bool = False
+    max_accuracy_drop: float = 1.0
     seed: int = 0
     quiet: bool = False
 
@@ -108,7 +114,11 @@ class QuantizeConfig:
             raise ValueError(f"--methods is empty; choose from: all, {', '.join(QUANT_METHODS)}")
         _at_least("--calibration-samples", self.calibration_samples, 1)
         _at_least("--calibration-batch-size", self.calibration_batch_size, 1)
-        _choice("--calibration-method", self.calibration_method, CALIBRATION_METHODS)
+        if self.calibration_method is not None:
+            _choice("--calibration-method", self.calibration_method, CALIBRATION_METHODS)
+        _choice("--ort-types", self.ort_types, ORT_TYPES)
+        _choice("--ort-format", self.ort_format, ORT_FORMATS)
+        _at_least("--max-accuracy-drop", self.max_accuracy_drop, 0.0)
 
 
 def parse_methods(text: str) -> tuple[str, ...]:

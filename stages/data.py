@@ -330,9 +330,29 @@ def calibration_batches(splits: DataSplits, num_samples: int, batch_size: int, s
         raise ValueError(f"--calibration-samples must be at least 1, got {num_samples}")
     if len(splits.calibration) == 0:
         raise ValueError("the training split is empty; static quantization needs calibration data")
-    order = torch.randperm(len(splits.calibration), generator=torch.Generator().manual_seed(seed))
-    chosen = torch.utils.data.Subset(splits.calibration, order[:num_samples].tolist())
+    chosen = torch.utils.data.Subset(splits.calibration,
+                                     _calibration_order(splits, seed)[:num_samples])
     return [images for images, _ in make_loader(chosen, batch_size)]
+
+
+def _calibration_order(splits: DataSplits, seed: int) -> list[int]:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(len(splits.calibration), generator=generator).tolist()
+
+
+def tuning_images(splits: DataSplits, calibration_samples: int, seed: int, limit: int = 1024):
+    """(images, labels) to score quantized models on: the validation split plus training images
+    that calibration did not see. Never test images. Quantization damage is a difference
+    between two models on the same images, so training images serve, and make the slice large
+    enough that one flipped image does not decide the budget."""
+    import torch
+
+    unseen = _calibration_order(splits, seed)[calibration_samples:]
+    parts = [splits.val, torch.utils.data.Subset(splits.calibration, unseen)]
+    images, labels = zip(*batches(torch.utils.data.ConcatDataset(parts)))
+    return torch.cat(images)[:limit], torch.cat(labels)[:limit]
 
 
 def check_calibration(batches: list, shape: tuple[int, int, int]) -> None:

@@ -6,6 +6,8 @@ measured several times slower than fp32 on the development machine (DESIGN.md).
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import tempfile
 import warnings
@@ -147,12 +149,58 @@ def cpu_has_vnni() -> bool:
     return "avx512_vnni" in flags or "avx_vnni" in flags or "amx_int8" in flags
 
 
-def quantize_ort_static(source: Path, path: Path, batches, calibration_method: str = "minmax",
-                        per_channel: bool = False) -> dict:
-    """QDQ, uint8 activations, int8 weights, calibrated on ``batches`` of training images."""
+ORT_TYPES = {"u8s8": ("QUInt8", "QInt8"), "s8s8": ("QInt8", "QInt8")}
+
+
+def ort_static_options(types: str = "u8s8", per_channel: bool = False,
+                       calibration_method: str = "minmax", quant_format: str = "qdq") -> dict:
+    """The options record of one ORT static configuration; reduce_range follows the CPU."""
+    activation, weight = ORT_TYPES[types]
+    # Without VNNI, 8-bit weights can overflow the int16 accumulation of AVX2 kernels.
+    return {"format": quant_format.upper(), "types": types, "activation_type": activation,
+            "weight_type": weight, "per_channel": per_channel,
+            "calibration_method": calibration_method, "reduce_range": not cpu_has_vnni()}
+
+
+def pre_process(source: Path, target: Path) -> None:
+    """Shape inference and graph clean-up that ORT's quantizer expects before it runs."""
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    _quiet_ort_logging()
+    quant_pre_process(str(source), str(target))
+
+
+def layer_groups(path: Path) -> dict[str, list[str]]:
+    """Each Conv/Gemm/MatMul node with the single-consumer Relu/Clip/pooling nodes after it:
+    what has to stay float together for a layer's output to stay float."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    groups = {}
+    for node in graph.node:
+        if node.op_type not in ("Conv", "Gemm", "MatMul"):
+            continue
+        members, current = [node.name], node
+        while len(consumers.get(current.output[0], [])) == 1:
+            follower = consumers[current.output[0]][0]
+            if follower.op_type not in ("Relu", "Clip", "MaxPool", "AveragePool",
+                                        "GlobalAveragePool", "Flatten"):
+                break
+            members.append(follower.name)
+            current = follower
+        groups[node.name] = members
+    return groups
+
+
+def quantize_ort_static(pre_processed: Path, path: Path, batches, options: dict,
+                        nodes_to_exclude: list[str] | None = None) -> dict:
+    """Static int8 of a pre-processed model, calibrated on ``batches`` of training images."""
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat,
                                           QuantType, quantize_static)
-    from onnxruntime.quantization.shape_inference import quant_pre_process
 
     _quiet_ort_logging()
     if not batches:
@@ -166,21 +214,17 @@ def quantize_ort_static(source: Path, path: Path, batches, calibration_method: s
         def get_next(self):
             return next(self._feeds, None)
 
-    # Without VNNI, 8-bit weights can overflow the int16 accumulation of AVX2 kernels.
-    reduce_range = not cpu_has_vnni()
-    options = {"format": "QDQ", "activation_type": "QUInt8", "weight_type": "QInt8",
-               "per_channel": per_channel, "calibration_method": calibration_method,
-               "reduce_range": reduce_range, "calibration_batches": len(batches),
-               "calibration_samples": int(sum(len(b) for b in batches)), "pre_processed": True}
     method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
-              "percentile": CalibrationMethod.Percentile}[calibration_method]
-    with tempfile.TemporaryDirectory() as scratch:
-        pre = Path(scratch) / "pre.onnx"
-        quant_pre_process(str(source), str(pre))
-        with atomic_path(path) as tmp:
-            quantize_static(str(pre), str(tmp), TrainingBatches(), quant_format=QuantFormat.QDQ,
-                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                            per_channel=per_channel, reduce_range=reduce_range,
-                            calibrate_method=method)
-    return options
-
+              "percentile": CalibrationMethod.Percentile}[options["calibration_method"]]
+    # The histogram calibrators print their progress with print(); keep our output short.
+    with atomic_path(path) as tmp, contextlib.redirect_stdout(io.StringIO()):
+        quantize_static(str(pre_processed), str(tmp), TrainingBatches(),
+                        quant_format=QuantFormat.QDQ if options["format"] == "QDQ"
+                        else QuantFormat.QOperator,
+                        activation_type=getattr(QuantType, options["activation_type"]),
+                        weight_type=getattr(QuantType, options["weight_type"]),
+                        per_channel=options["per_channel"], reduce_range=options["reduce_range"],
+                        calibrate_method=method, nodes_to_exclude=nodes_to_exclude or [])
+    return options | {"calibration_batches": len(batches),
+                      "calibration_samples": int(sum(len(b) for b in batches)),
+                      "pre_processed": True}

@@ -1,18 +1,26 @@
 """Post-training quantization of the `amp` model: PyTorch dynamic and static int8, ONNX and ORT.
 
+Static int8 is scored on a validation slice of the training data against its float source; with
+--auto several configurations are tried and the fastest within --max-accuracy-drop is kept, and
+a configuration that misses the budget keeps its most sensitive layers in float (stages/tuning).
+
 Every method writes its file atomically, loads it back from disk, checks that the reloaded model
 gives the predictions the in-memory one gave, and registers it in the manifest. A quantized
 PyTorch model is stored as a state_dict plus what rebuilds it, never as a pickled module.
 """
 from __future__ import annotations
 
+import shutil
+import tempfile
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from stages import export
-from stages.artifacts import Run, atomic_torch_save, load_checkpoint
-from stages.data import DataSplits, calibration_batches, check_calibration, first_images
+from stages import bench, export, opstats, tuning
+from stages.artifacts import Run, atomic_path, atomic_torch_save, load_checkpoint
+from stages.data import (DataSplits, calibration_batches, check_calibration, first_images,
+                         tuning_images)
 from stages.errors import PipelineError
 from stages.models import build_from_spec
 from stages.progress import say
@@ -22,6 +30,7 @@ from stages.train import predict, splits_of_run
 SOURCE = "amp"  # the variant every quantized model is made from
 METHODS: dict[str, Callable[["QuantContext"], dict]] = {}
 VARIANT_OF_METHOD = {"onnx": "onnx-fp32"}  # every other method's variant has its own name
+TUNING_BATCH = 32  # candidates are timed at the report's default large batch
 
 
 def register_method(name: str):
@@ -35,8 +44,10 @@ class QuantContext:
     splits: DataSplits
     spec: dict
     folder: Path
+    scratch: Path
     _batches: list = field(default_factory=list)
     _float: object = None
+    _val: tuple | None = None
 
     def float_model(self):
         """The `amp` model, loaded and verified once; no method mutates it (prepare_fx and
@@ -54,13 +65,32 @@ class QuantContext:
                                                     self.config.seed)
             except ValueError as exc:
                 raise PipelineError(str(exc)) from None
-            check_calibration(self._batches, (self.spec["in_channels"], self.spec["image_size"],
-                                              self.spec["image_size"]))
+            check_calibration(self._batches, self.input_shape())
         return self._batches
+
+    def input_shape(self) -> tuple[int, int, int]:
+        return (self.spec["in_channels"], self.spec["image_size"], self.spec["image_size"])
+
+    def validation(self):
+        """Held-out training images (validation split and what calibration did not use)."""
+        if self._val is None:
+            self._val = tuning_images(self.splits, self.config.calibration_samples,
+                                      self.config.seed)
+        return self._val
+
+    def reference(self, predict_fn) -> dict:
+        images, labels = self.validation()
+        logits = predict_fn(images)
+        return {"images": images, "labels": labels, "logits": logits,
+                "accuracy": float((logits.argmax(1) == labels).float().mean())}
 
     def check_images(self):
         """A fixed slice of training images to compare a model before and after saving."""
         return first_images(self.splits.calibration, 128)
+
+    def latency_ms(self, call_for) -> float:
+        batch = bench.random_batch((TUNING_BATCH, *self.input_shape()))
+        return bench.measure(call_for(batch), warmup=2, repeats=10, max_seconds=3.0)["p50"]
 
 
 # ---------------------------------------------------------------- PyTorch backend
@@ -83,17 +113,44 @@ def pytorch_quant_backend() -> str:
                         "skip torch-static and torch-dynamic with --methods")
 
 
-def _fx_int8(model, backend: str, example, calibration: list | None):
-    """prepare_fx, observe ``calibration`` (none when rebuilding to load a state_dict), convert_fx."""
+def torch_static_options(observer: str = "histogram", per_channel: bool = True) -> dict:
+    """minmax observes the range; histogram (the backend default) picks a range that minimises
+    the quantization error, clipping outliers. reduce_range only where VNNI is missing."""
+    return {"observer": observer, "per_channel": per_channel,
+            "reduce_range": not export.cpu_has_vnni()}
+
+
+def _qconfig_mapping(backend: str, options: dict, float_layers=()):
     import torch
-    import warnings
-    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization import QConfig, get_default_qconfig_mapping
+    from torch.ao.quantization import observer as obs
+
+    mapping = get_default_qconfig_mapping(backend)
+    activation = obs.MinMaxObserver if options["observer"] == "minmax" else obs.HistogramObserver
+    weight = (obs.PerChannelMinMaxObserver.with_args(dtype=torch.qint8,
+                                                      qscheme=torch.per_channel_symmetric)
+              if options["per_channel"] else
+              obs.MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric))
+    mapping.set_global(QConfig(activation=activation.with_args(
+        reduce_range=options["reduce_range"]), weight=weight))
+    for name in float_layers:
+        mapping.set_module_name(name, None)
+    return mapping
+
+
+def _fx_int8(model, backend: str, example, calibration: list | None, options: dict,
+             float_layers=()):
+    """prepare_fx, observe ``calibration`` (none when rebuilding to load a state_dict), convert_fx."""
+    import copy
+
+    import torch
     from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
     torch.backends.quantized.engine = backend
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice
-        prepared = prepare_fx(model.eval(), get_default_qconfig_mapping(backend), (example,))
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notices
+        prepared = prepare_fx(copy.deepcopy(model).eval(),
+                              _qconfig_mapping(backend, options, float_layers), (example,))
         with torch.inference_mode():
             for batch in calibration or []:
                 prepared(batch)
@@ -102,12 +159,32 @@ def _fx_int8(model, backend: str, example, calibration: list | None):
 
 def _dynamic_int8(model):
     import torch
-    import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return torch.ao.quantization.quantize_dynamic(model.eval(), {torch.nn.Linear},
                                                       dtype=torch.qint8)
+
+
+def torch_layer_groups(model) -> dict[str, list[str]]:
+    """Each Conv/Linear module with the BatchNorm, activation and pooling modules registered
+    after it: FX fuses them and quantizes the group's output at its last member, so they must
+    stay float together for the layer's output to stay float."""
+    from torch import nn
+
+    followers = (nn.BatchNorm1d, nn.BatchNorm2d, nn.ReLU, nn.ReLU6, nn.GELU, nn.MaxPool2d,
+                 nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.Flatten, nn.Dropout, nn.Identity)
+    groups: dict[str, list[str]] = {}
+    current = None
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Conv2d, nn.Linear)):
+            current = name
+            groups[name] = [name]
+        elif current is not None and isinstance(module, followers):
+            groups[current].append(name)
+        elif list(module.children()) == [] and name:
+            current = None
+    return groups
 
 
 def load_torch_model(run: Run, name: str):
@@ -124,7 +201,8 @@ def load_torch_model(run: Run, name: str):
         torch.backends.quantized.engine = data["backend"]
     if kind == "fx-static-int8":
         example = torch.zeros(2, spec["in_channels"], spec["image_size"], spec["image_size"])
-        model = _fx_int8(model, data["backend"], example, calibration=None)
+        model = _fx_int8(model, data["backend"], example, None, data["options"],
+                         data.get("float_modules", ()))
     elif kind == "dynamic-int8":
         model = _dynamic_int8(model)
     elif kind is not None:
@@ -139,6 +217,9 @@ def _save_torch_variant(ctx: QuantContext, name: str, model, info: dict) -> dict
 
     path = ctx.folder / f"{name}.pt"
     before = predict(model, ctx.check_images())
+    info = info | {"op_counts": opstats.torch_op_counts(model),
+                   "parity_vs_amp": export.compare_logits(predict(ctx.float_model(),
+                                                                  ctx.check_images()), before)}
     atomic_torch_save({"model_spec": ctx.spec, "state_dict": model.state_dict(), **info}, path)
     ctx.run.register(name, path, kind="model", stage="quantize", parent=SOURCE,
                      config=asdict(ctx.config), format="pytorch", model_spec=ctx.spec,
@@ -152,24 +233,54 @@ def _save_torch_variant(ctx: QuantContext, name: str, model, info: dict) -> dict
 
 @register_method("torch-dynamic")
 def torch_dynamic(ctx: QuantContext) -> dict:
-    backend = pytorch_quant_backend()
     import torch
 
+    backend = pytorch_quant_backend()
     torch.backends.quantized.engine = backend
     model = _dynamic_int8(ctx.float_model())
     return _save_torch_variant(ctx, "torch-dynamic", model, {
         "quantization": "dynamic-int8", "backend": backend, "modules": ["Linear"]})
 
 
+def _torch_static_backend(ctx: QuantContext, backend: str) -> dict:
+    calibration = ctx.calibration()
+    float_model = ctx.float_model()
+    groups = torch_layer_groups(float_model)
+
+    def build(options: dict, float_layers):
+        members = [m for layer in float_layers for m in groups[layer]]
+        return _fx_int8(float_model, backend, calibration[0], calibration, options, members)
+
+    return {
+        "build": build,
+        "predict": lambda model, images: predict(model, images),
+        "latency": lambda model: ctx.latency_ms(lambda batch: bench.torch_call(model, batch)),
+        "layers": lambda: list(groups),
+    }
+
+
 @register_method("torch-static")
 def torch_static(ctx: QuantContext) -> dict:
     backend = pytorch_quant_backend()
-    calibration = ctx.calibration()
-    model = _fx_int8(ctx.float_model(), backend, calibration[0], calibration)
-    return _save_torch_variant(ctx, "torch-static", model, {
-        "quantization": "fx-static-int8", "backend": backend,
-        "qconfig": f"get_default_qconfig_mapping('{backend}')",
-        "calibration_samples": int(sum(len(b) for b in calibration)),
+    config = ctx.config
+    # Unless asked otherwise: the x86 engine's defaults, histogram observer and per-channel.
+    observer = "minmax" if config.calibration_method == "minmax" else "histogram"
+    per_channel = True if config.per_channel is None else config.per_channel
+    candidates = ([torch_static_options(o, pc) for o in ("histogram", "minmax")
+                   for pc in (True, False)] if config.auto
+                  else [torch_static_options(observer, per_channel)])
+    reference = ctx.reference(lambda images: predict(ctx.float_model(), images))
+    say("torch-static: scoring on the validation slice", quiet=config.quiet)
+    trial, record = tuning.tune(_torch_static_backend(ctx, backend), candidates, reference,
+                                config.max_accuracy_drop, timed=config.auto,
+                                say=lambda m: say(m, quiet=config.quiet))
+    groups = torch_layer_groups(ctx.float_model())
+    return _save_torch_variant(ctx, "torch-static", trial.model, {
+        "quantization": "fx-static-int8", "backend": backend, "options": trial.options,
+        "float_layers": list(trial.float_layers),
+        "float_modules": [m for layer in trial.float_layers for m in groups[layer]],
+        "tuning": record,
+        "calibration_samples": int(sum(len(b) for b in ctx.calibration())),
         "calibration_split": "train"})
 
 
@@ -177,6 +288,7 @@ def torch_static(ctx: QuantContext) -> dict:
 
 
 def _register_onnx(ctx: QuantContext, name: str, path: Path, parent: str, info: dict) -> None:
+    info = info | {"op_counts": opstats.onnx_op_counts(path)}
     ctx.run.register(name, path, kind="model", stage="quantize", parent=parent,
                      config=asdict(ctx.config), format="onnx", model_spec=ctx.spec,
                      shipped_bytes=export.onnx_size_bytes(path), quantization=info)
@@ -199,10 +311,12 @@ def onnx_fp32(ctx: QuantContext) -> dict:
     return info
 
 
-def _ort_quantized(ctx: QuantContext, name: str, quantize: Callable[[Path, Path], dict]) -> dict:
+def _finish_ort(ctx: QuantContext, name: str, made: Path, info: dict) -> dict:
+    """Move a quantized file into place, check it, compare it with onnx-fp32, register it."""
     source = ctx.run.verified_path("onnx-fp32")
     path = ctx.folder / f"{name}.onnx"
-    info = quantize(source, path)
+    with atomic_path(path) as tmp:
+        shutil.copyfile(made, tmp)
     export.check_onnx(path)
     images = ctx.check_images()
     written = export.ort_predict(export.ort_session(path, threads=1), images)
@@ -214,35 +328,89 @@ def _ort_quantized(ctx: QuantContext, name: str, quantize: Callable[[Path, Path]
 
 @register_method("ort-dynamic")
 def ort_dynamic(ctx: QuantContext) -> dict:
-    return _ort_quantized(ctx, "ort-dynamic", export.quantize_ort_dynamic)
+    made = ctx.scratch / "ort-dynamic.onnx"
+    info = export.quantize_ort_dynamic(ctx.run.verified_path("onnx-fp32"), made)
+    return _finish_ort(ctx, "ort-dynamic", made, info)
+
+
+def _ort_static_backend(ctx: QuantContext, pre: Path) -> dict:
+    calibration = ctx.calibration()
+    threads = bench_threads()
+    groups = export.layer_groups(pre)
+    counter = iter(range(10**6))
+
+    def build(options: dict, float_layers) -> Path:
+        made = ctx.scratch / f"ort-static-{next(counter)}.onnx"
+        excluded = [n for layer in float_layers for n in groups[layer]]
+        export.quantize_ort_static(pre, made, calibration, options, excluded)
+        return made
+
+    def session(path: Path):
+        return export.ort_session(path, threads)
+
+    return {
+        "build": build,
+        "predict": lambda path, images: export.ort_predict(session(path), images),
+        "latency": lambda path: ctx.latency_ms(lambda batch: bench.ort_call(session(path), batch)),
+        "layers": lambda: list(groups),
+    }
+
+
+def bench_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 @register_method("ort-static")
 def ort_static(ctx: QuantContext) -> dict:
-    calibration = ctx.calibration()
-    return _ort_quantized(ctx, "ort-static", lambda src, dst: export.quantize_ort_static(
-        src, dst, calibration, ctx.config.calibration_method, ctx.config.per_channel))
+    config = ctx.config
+    pre = ctx.scratch / "pre-processed.onnx"
+    export.pre_process(ctx.run.verified_path("onnx-fp32"), pre)
+    per_channel = bool(config.per_channel)  # per-tensor measured fastest with VNNI (DESIGN.md)
+    if config.auto:
+        candidates = [export.ort_static_options("u8s8", pc, cal)
+                      for cal in ("minmax", "percentile") for pc in (False, True)]
+        candidates.append(export.ort_static_options("s8s8", False, "minmax"))
+    else:
+        candidates = [export.ort_static_options(config.ort_types, per_channel,
+                                                config.calibration_method or "minmax",
+                                                config.ort_format)]
+    source = export.ort_session(pre, bench_threads())
+    reference = ctx.reference(lambda images: export.ort_predict(source, images))
+    say("ort-static: scoring on the validation slice", quiet=config.quiet)
+    trial, record = tuning.tune(_ort_static_backend(ctx, pre), candidates, reference,
+                                config.max_accuracy_drop, timed=config.auto,
+                                say=lambda m: say(m, quiet=config.quiet))
+    info = trial.options | {"float_layers": list(trial.float_layers), "tuning": record,
+                            "calibration_samples": int(sum(len(b) for b in ctx.calibration())),
+                            "calibration_split": "train", "pre_processed": True}
+    return _finish_ort(ctx, "ort-static", trial.model, info)
 
 
 def run(config, run: Run) -> dict[str, dict]:
     """Apply each method in config.methods to the run's `amp` model; ORT methods need `onnx`."""
     spec = run.entry(SOURCE)["model_spec"]
     splits = splits_of_run(run)
-    ctx = QuantContext(run, config, splits, spec, run.root / "quantize")
-    ctx.folder.mkdir(parents=True, exist_ok=True)
-    run.record_config("quantize", asdict(config))
     methods = list(config.methods)
-    if any(m.endswith("-static") for m in methods):
-        ctx.calibration()  # bad calibration data stops the stage before anything is written
     needs_onnx = any(m.startswith("ort-") for m in methods)
     if needs_onnx and "onnx" not in methods and "onnx-fp32" not in run.artifacts():
         methods.insert(0, "onnx")
-    results = {}
-    for method in methods:
-        variant = VARIANT_OF_METHOD.get(method, method)
-        say(f"quantize: {variant} ...", quiet=config.quiet)
-        results[variant] = lookup(METHODS, method, "method")(ctx)
-        entry = run.entry(variant)
-        say(f"quantize: {variant} -> {run.root / entry['path']} "
-            f"({entry.get('shipped_bytes', entry['bytes']) / 1e6:.1f} MB)", quiet=config.quiet)
+    folder = run.root / "quantize"
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".scratch-") as scratch:
+        ctx = QuantContext(run, config, splits, spec, folder, Path(scratch))
+        if any(m.endswith("-static") for m in methods):
+            ctx.calibration()  # bad calibration data stops the stage before anything is written
+        run.record_config("quantize", asdict(config))
+        results = {}
+        for method in methods:
+            variant = VARIANT_OF_METHOD.get(method, method)
+            say(f"quantize: {variant} ...", quiet=config.quiet)
+            results[variant] = lookup(METHODS, method, "method")(ctx)
+            entry = run.entry(variant)
+            say(f"quantize: {variant} -> {run.root / entry['path']} "
+                f"({entry.get('shipped_bytes', entry['bytes']) / 1e6:.1f} MB, "
+                f"{opstats.summarize(entry['quantization']['op_counts'])})", quiet=config.quiet)
     return results
+

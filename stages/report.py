@@ -10,7 +10,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from stages import bench, export, plots
+from stages import bench, export, opstats, plots, tuning
 from stages.artifacts import Run, atomic_write_json, atomic_write_text, open_run
 from stages.errors import PipelineError, UsageError
 from stages.progress import say
@@ -36,16 +36,19 @@ FIGURES = {"latency-vs-size.png": "latency against size",
 
 
 def _predictor(run: Run, name: str, threads: int):
-    """A function from a float tensor batch to logits, and a latency call factory."""
+    """A function from a float tensor batch to logits, a latency call factory, and the model's
+    int8/float op counts."""
     entry = run.entry(name)
     if entry["format"] == "onnx":
-        session = export.ort_session(run.verified_path(name), threads)
+        path = run.verified_path(name)
+        session = export.ort_session(path, threads)
         return (lambda images: export.ort_predict(session, images),
-                lambda batch: bench.ort_call(session, batch))
+                lambda batch: bench.ort_call(session, batch), opstats.onnx_op_counts(path))
     from stages.train import predict
 
     model = load_torch_model(run, name)
-    return (lambda images: predict(model, images), lambda batch: bench.torch_call(model, batch))
+    return (lambda images: predict(model, images), lambda batch: bench.torch_call(model, batch),
+            opstats.torch_op_counts(model))
 
 
 def _shipped_bytes(run: Run, name: str) -> int:
@@ -54,18 +57,19 @@ def _shipped_bytes(run: Run, name: str) -> int:
     return export.onnx_size_bytes(path) if entry["format"] == "onnx" else path.stat().st_size
 
 
-def measure_variants(run: Run, config, threads: int) -> tuple[list[dict], str]:
+def measure_variants(run: Run, config, threads: int) -> tuple[list[dict], str, list[dict]]:
     artifacts = run.artifacts()
     present = [v for v in VARIANTS if v in artifacts]
     if not present:
         raise UsageError(f"run {run.name!r} has no model to report on; run 'pipeline train' first")
     splits = splits_of_run(run)
     reference = "fp32" if "fp32" in present else present[0]
-    rows, predictions, hits = [], {}, {}
+    rows, predictions, hits, all_logits = [], {}, {}, {}
     for name in present:
         say(f"report: measuring {name} ...", quiet=config.quiet)
-        predict_fn, call_for = _predictor(run, name, threads)
+        predict_fn, call_for, op_counts = _predictor(run, name, threads)
         logits, labels = predict_dataset(predict_fn, splits.test)
+        all_logits[name] = logits
         predictions[name] = logits.argmax(1)
         hits[name] = (predictions[name] == labels).tolist()
         latency = {}
@@ -80,7 +84,8 @@ def measure_variants(run: Run, config, threads: int) -> tuple[list[dict], str]:
                "size_bytes": _shipped_bytes(run, name), "accuracy": correct / len(labels),
                "accuracy_ci95": wilson_interval(correct, len(labels)),
                "test_samples": len(labels), "latency_ms": latency,
-               "parent": entry.get("parent"), "quantization": entry.get("quantization")}
+               "parent": entry.get("parent"), "quantization": entry.get("quantization"),
+               "op_counts": op_counts}
         if splits.num_classes > 5:
             top5 = logits.topk(5, dim=1).indices.eq(labels[:, None]).any(dim=1)
             row["top5_accuracy"] = float(top5.float().mean())
@@ -92,7 +97,25 @@ def measure_variants(run: Run, config, threads: int) -> tuple[list[dict], str]:
         row["agreement_reference"] = reference
         row["accuracy_change_vs_reference"] = paired_difference_interval(hits[reference],
                                                                          hits[row["name"]])
-    return rows, reference
+    return rows, reference, parity(all_logits)
+
+
+# Each quantized variant against its float source, and the two backends' int8 against each other.
+PARITY_PAIRS = [("amp", "torch-dynamic"), ("amp", "torch-static"), ("amp", "onnx-fp32"),
+                ("onnx-fp32", "ort-dynamic"), ("onnx-fp32", "ort-static"),
+                ("torch-dynamic", "ort-dynamic"), ("torch-static", "ort-static")]
+PARITY_MIN_AGREEMENT = 0.98
+
+
+def parity(logits: dict) -> list[dict]:
+    """Max logit difference and top-1 agreement on the test images, for each pair present."""
+    found = []
+    for a, b in PARITY_PAIRS:
+        if a in logits and b in logits:
+            found.append({"a": a, "b": b, **export.compare_logits(logits[a], logits[b]),
+                          "within_bounds": bool(float((logits[a].argmax(1) == logits[b].argmax(1))
+                                                      .float().mean()) >= PARITY_MIN_AGREEMENT)})
+    return found
 
 
 def training_rows(run: Run) -> dict:
@@ -103,6 +126,12 @@ def training_rows(run: Run) -> dict:
             rows[name] = {**entry["training"], "checkpoint_bytes": entry["checkpoint_bytes"],
                           "model_bytes": entry["bytes"]}
     return rows
+
+
+def parity_warnings(pairs: list[dict]) -> list[str]:
+    return [f"{p['b']} agrees with {p['a']} on only {p['top1_agreement']:.1%} of test images "
+            f"(max logit difference {p['max_abs_diff']:.3g}), below "
+            f"{PARITY_MIN_AGREEMENT:.0%}." for p in pairs if not p["within_bounds"]]
 
 
 def warnings_for(rows: list[dict], reference: str, budget_points: float, batch: str) -> list[str]:
@@ -205,6 +234,7 @@ def _markdown(report: dict) -> str:
               f"`{ref}` on the same images.", ""]
     lines += [f"![{title}]({name})" for name, title in report["figures"].items()
               if name != "training-curves.png"] + [""]
+    lines += _quantization_markdown(report)
     if report["training"]:
         lines += ["## Training", "", report["amp_vs_quantization"], "",
                   "| model | precision | device | seconds | samples/s | peak memory (MB) | "
@@ -228,6 +258,38 @@ def _markdown(report: dict) -> str:
               f"the real shape after {report['config']['warmup']} warm-up calls; accuracy on the "
               "test split, which training, calibration and model selection never see.", ""]
     return "\n".join(lines)
+
+
+def _quantization_markdown(report: dict) -> list[str]:
+    """What each variant really runs in int8, what stayed float and why, and parity."""
+    lines = ["## Quantization", "", "| variant | int8 ops | kept in float | configuration | "
+             "chosen because |", "|---|---|---|---|---|"]
+    for r in report["models"]:
+        info = r.get("quantization") or {}
+        record = info.get("tuning") or {}
+        options = info.get("options") or {k: info[k] for k in ("types", "per_channel",
+                                                               "calibration_method", "format")
+                                          if k in info}
+        kept = ", ".join(info.get("float_layers") or []) or "-"
+        lines.append(f"| `{r['name']}` | {opstats.summarize(r['op_counts'])} | {kept} | "
+                     f"{tuning.label(options) if options else '-'} | {record.get('why', '-')} |")
+    tried = [(r["name"], r["quantization"]["tuning"]) for r in report["models"]
+             if (r.get("quantization") or {}).get("tuning", {}).get("tried", [])[1:]]
+    for name, record in tried:
+        lines += ["", f"`{name}` configurations tried on {record['images']} held-out training "
+                  "images:", "", "| configuration | accuracy change (points) | p50 ms |",
+                  "|---|---|---|"]
+        for t in record["tried"]:
+            ms = f"{t['latency_ms_p50']:.2f}" if t["latency_ms_p50"] is not None else "-"
+            lines.append(f"| {t['label']} | {0.0 - t['drop_points']:+.2f} | {ms} |")
+    if report["parity"]:
+        lines += ["", "| parity on the test images | max logit difference | top-1 agreement |",
+                  "|---|---|---|"]
+        for p in report["parity"]:
+            flag = "" if p["within_bounds"] else " (out of bounds)"
+            lines.append(f"| `{p['b']}` vs `{p['a']}` | {p['max_abs_diff']:.3g} | "
+                         f"{p['top1_agreement']:.2%}{flag} |")
+    return lines + [""]
 
 
 def compare_runs(runs: list[Run]) -> tuple[dict, str]:
@@ -280,7 +342,7 @@ def run(config, run: Run) -> dict:
     threads = config.threads or min(os.cpu_count() or 1, 8)
     torch.set_num_threads(threads)
     compared = [open_run(run.artifacts_dir, name) for name in config.compare if name != run.name]
-    rows, reference = measure_variants(run, config, threads)
+    rows, reference, pairs = measure_variants(run, config, threads)
     batch = str(config.batch_sizes[-1])
     training = training_rows(run)
     histories = _histories(run)
@@ -297,7 +359,9 @@ def run(config, run: Run) -> dict:
         "run": run.name, "reference": reference, "config": asdict(config) | {"threads": threads},
         "models": rows, "training": training, "training_history": histories,
         "verdict": verdict(rows, reference, config.max_accuracy_drop, batch),
-        "warnings": warnings_for(rows, reference, config.max_accuracy_drop, batch),
+        "warnings": warnings_for(rows, reference, config.max_accuracy_drop, batch)
+        + parity_warnings(pairs),
+        "parity": pairs,
         "amp_vs_quantization": amp_sentence(training, rows),
         "figures": figures, "environment": bench.environment(threads),
     }

@@ -54,11 +54,14 @@ def test_a_torch_static_model_reloads_with_the_predictions_it_had(tiny_run):
     images = train.load_splits(TrainConfig(**TINY_TRAIN)).test.tensors[0]
     float_model = quantize.load_torch_model(run, "amp")
     calibration = [images[:64]]
-    model = quantize._fx_int8(float_model, quantize.pytorch_quant_backend(), images[:2], calibration)
+    options = quantize.torch_static_options("minmax", per_channel=False)
+    model = quantize._fx_int8(float_model, quantize.pytorch_quant_backend(), images[:2],
+                              calibration, options, float_layers=("0",))
     path = run.root / "roundtrip.pt"
     artifacts.atomic_torch_save({"model_spec": run.entry("amp")["model_spec"],
                                  "state_dict": model.state_dict(), "quantization": "fx-static-int8",
-                                 "backend": quantize.pytorch_quant_backend()}, path)
+                                 "backend": quantize.pytorch_quant_backend(), "options": options,
+                                 "float_modules": ["0"]}, path)
     run.register("roundtrip", path, kind="model", stage="test")
     reloaded = quantize.load_torch_model(run, "roundtrip")
     assert torch.equal(train.predict(model, images), train.predict(reloaded, images))

@@ -69,7 +69,7 @@ def test_latency_is_measured_on_random_inputs_of_the_real_shape(tiny_run, monkey
         return batch
 
     monkeypatch.setattr(bench, "random_batch", spy)
-    rows, _ = report.measure_variants(tiny_run["run"], ReportConfig(
+    rows, _, _ = report.measure_variants(tiny_run["run"], ReportConfig(
         batch_sizes=(1, 3), warmup=0, repeats=3, quiet=True), threads=1)
     assert shapes == [(1, 1, 8, 8), (3, 1, 8, 8)] * len(rows)
 
@@ -120,3 +120,18 @@ def test_warnings_name_slow_int8_and_lost_accuracy():
     assert len(found) == 2
     assert "ort-dynamic is slower" in found[0] and "ConvInteger" in found[0]
     assert "torch-static loses 3.00 points" in found[1]
+
+
+def test_report_shows_int8_op_counts_and_parity(tiny_run):
+    data = tiny_run["report"]
+    models = {m["name"]: m for m in data["models"]}
+    assert models["torch-static"]["op_counts"]["Conv"] == {"int8": 3, "float": 0}
+    assert models["torch-dynamic"]["op_counts"]["Conv"] == {"int8": 0, "float": 3}
+    assert models["fp32"]["op_counts"]["Linear"] == {"int8": 0, "float": 1}
+    pairs = {(p["a"], p["b"]): p for p in data["parity"]}
+    assert set(pairs) >= {("amp", "torch-static"), ("onnx-fp32", "ort-static"),
+                          ("torch-static", "ort-static"), ("amp", "onnx-fp32")}
+    assert pairs[("amp", "onnx-fp32")]["max_abs_diff"] < 1e-3
+    markdown = (tiny_run["run"].root / "report" / "report.md").read_text()
+    assert "## Quantization" in markdown and "| `torch-static` | Conv 3/3 int8" in markdown
+    assert "`ort-static` vs `torch-static`" in markdown

@@ -1,0 +1,135 @@
+"""Choosing a static int8 configuration: score candidates on held-out training images, keep the
+fastest within the accuracy budget, and where none meets it keep the most sensitive layers in
+float until it does.
+
+Backend-agnostic: a backend is a dict of plain functions (build a model for some options and
+float layers, predict with it, time it, list its layers). Nothing here sees the test split.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class Trial:
+    """One quantized model made and scored: what it was made with and how it did."""
+
+    options: dict
+    float_layers: tuple[str, ...]
+    model: Any
+    val_accuracy: float
+    drop_points: float  # accuracy lost against the float source, in points (negative: gained)
+    logit_mse: float  # mean squared difference of logits from the float source's
+    agreement: float
+    latency_ms: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        return {"label": label(self.options), "options": self.options,
+                "float_layers": list(self.float_layers),
+                "val_accuracy": self.val_accuracy, "drop_points": self.drop_points,
+                "logit_mse": self.logit_mse, "agreement": self.agreement,
+                "latency_ms_p50": self.latency_ms}
+
+
+def label(options: dict) -> str:
+    """A short name for a configuration, for progress lines and the report."""
+    parts = []
+    for key, value in options.items():
+        if key == "per_channel":
+            parts.append("per-channel" if value else "per-tensor")
+        elif key in ("types", "observer", "calibration_method", "format"):
+            parts.append(str(value))
+    return " ".join(parts)
+
+
+def score(backend: dict, options: dict, float_layers: tuple[str, ...], reference: dict,
+          timed: bool) -> Trial:
+    """Build one candidate and measure it against the float source on the validation images."""
+    import torch
+
+    model = backend["build"](options, float_layers)
+    logits = backend["predict"](model, reference["images"])
+    accuracy = float((logits.argmax(1) == reference["labels"]).float().mean())
+    latency = backend["latency"](model) if timed else None
+    return Trial(
+        options=options, float_layers=tuple(float_layers), model=model, val_accuracy=accuracy,
+        drop_points=(reference["accuracy"] - accuracy) * 100,
+        logit_mse=float(torch.mean((logits - reference["logits"]) ** 2)),
+        agreement=float((logits.argmax(1) == reference["logits"].argmax(1)).float().mean()),
+        latency_ms=latency)
+
+
+def choose(trials: list[Trial], budget_points: float) -> tuple[Trial | None, str]:
+    """The fastest trial within the budget (the only one, without timings), and why."""
+    within = [t for t in trials if t.drop_points <= budget_points + 1e-9]
+    if not within:
+        return None, (f"none of {len(trials)} configuration(s) stayed within {budget_points:g} "
+                      "point(s) of the float model on the validation images")
+    if len(trials) == 1:
+        return within[0], "the one configuration asked for is within the budget"
+    best = min(within, key=lambda t: t.latency_ms)
+    return best, (f"fastest ({best.latency_ms:.2f} ms) of {len(within)} configuration(s) within "
+                  f"{budget_points:g} point(s) of the float model, of {len(trials)} tried")
+
+
+def keep_sensitive_layers_float(backend: dict, options: dict, layers: list[str], reference: dict,
+                                budget_points: float, timed: bool,
+                                say: Callable[[str], None] = lambda _: None) -> dict:
+    """Rank layers by how much leaving each one alone in float brings the logits back, then keep
+    the most sensitive in float, one more at a time, until the accuracy budget holds."""
+    baseline = score(backend, options, (), reference, timed=False)
+    gains = []
+    for layer in layers:
+        trial = score(backend, options, (layer,), reference, timed=False)
+        gains.append((baseline.logit_mse - trial.logit_mse, layer))
+    ranking = [layer for _, layer in sorted(gains, key=lambda g: -g[0])]
+    kept: list[str] = []
+    trial = baseline
+    for layer in ranking:
+        candidate = score(backend, options, tuple(kept + [layer]), reference, timed=timed)
+        say(f"  float: {', '.join(kept + [layer])} -> {0.0 - candidate.drop_points:+.2f} points")
+        # A layer joins the float set only if it brings the logits closer: one that helps
+        # neither alone nor with the others would cost speed for nothing.
+        if candidate.logit_mse < trial.logit_mse * 0.99 or not kept:
+            kept.append(layer)
+            trial = candidate
+        if trial.drop_points <= budget_points + 1e-9:
+            break
+    return {"trial": trial, "met_budget": trial.drop_points <= budget_points + 1e-9,
+            "ranking": [{"layer": layer, "logit_mse_gain": gain}
+                        for gain, layer in sorted(gains, key=lambda g: -g[0])],
+            "plain_drop_points": baseline.drop_points}
+
+
+def tune(backend: dict, candidates: list[dict], reference: dict, budget_points: float,
+         timed: bool, say: Callable[[str], None] = lambda _: None) -> tuple[Trial, dict]:
+    """Score every candidate, keep the best; fall back to float layers if none meets the budget.
+    Returns the chosen trial and a record of what was tried and why it won."""
+    trials = []
+    for options in candidates:
+        trial = score(backend, options, (), reference, timed)
+        trials.append(trial)
+        latency = f", {trial.latency_ms:.2f} ms" if trial.latency_ms is not None else ""
+        say(f"  {label(options)}: accuracy change {0.0 - trial.drop_points:+.2f} points{latency}")
+    chosen, why = choose(trials, budget_points)
+    from stages.bench import cpu_info
+
+    # The defaults (reduce_range, u8s8) follow these; a model tuned here may rank otherwise
+    # on a CPU without them.
+    record = {"cpu_flags": cpu_info()["flags"], "budget_points": budget_points, "split": "held-out training images (validation split and images calibration did not use)",
+              "images": int(len(reference["labels"])),
+              "tried": [t.summary() for t in trials]}
+    if chosen is None:
+        closest = min(trials, key=lambda t: t.drop_points)
+        say(f"  {why}; keeping the most sensitive layers in float")
+        fallback = keep_sensitive_layers_float(backend, closest.options, backend["layers"](),
+                                               reference, budget_points, timed, say)
+        chosen = fallback.pop("trial")
+        record["fallback"] = fallback | {"float_layers": list(chosen.float_layers)}
+        why += (f"; kept {len(chosen.float_layers)} layer(s) in float: "
+                + ("budget met" if fallback["met_budget"] else "budget still missed"))
+    record["chosen"] = chosen.summary()
+    record["why"] = why
+    return chosen, record
