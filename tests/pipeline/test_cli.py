@@ -20,7 +20,7 @@ def invoke(*args):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["train", "--model", "resnet7"], "--model 'resnet7' is not one of: smallcnn"),
+    (["train", "--model", "resnet7"], "--model 'resnet7' is not one of: mixer, smallcnn, alexnet"),
     (["quantize", "--methods", "torch-static,int4"], "--methods 'int4' is not one of: torch-dynamic"),
     (["train", "--epochs", "-3"], "--epochs must be at least 1, got -3"),
     (["--run", "missing", "report"], "run 'missing' does not exist"),
