@@ -197,11 +197,3 @@ def build_config(stage: str, file_values: dict[str, Any], flag_values: dict[str,
     values = dict(file_values)
     values.update({k: v for k, v in flag_values.items() if v is not None})
     return STAGE_CONFIGS[stage](**values)
-
-
-def as_dict(config) -> dict:
-    return dataclasses.asdict(config)
-
-
-__all__ = ["TrainConfig", "QuantizeConfig", "ReportConfig", "build_config", "read_config_file",
-           "QUANT_METHODS"]

@@ -195,6 +195,14 @@ class Run:
         atomic_write_json(self.manifest_path, manifest)
         return entry
 
+    def register_alias(self, alias: str, of: str) -> None:
+        """A second name for a listed file (checkpoint-last), without hashing it again."""
+        manifest = self.manifest()
+        entry = manifest["artifacts"][of]
+        manifest["artifacts"][alias] = {k: v for k, v in entry.items() if k not in ("step",)} | {
+            "kind": f"{entry['kind']}-alias", "alias_of": of}
+        atomic_write_json(self.manifest_path, manifest)
+
     def unregister(self, name: str) -> None:
         """Drop an artifact from the manifest first, then its file: a crash in between leaves a
         stray file, never a listed file that is missing."""

@@ -176,13 +176,11 @@ class _Checkpointer:
         atomic_torch_save(state, path)
         self.run.register(name, path, kind="checkpoint", stage="train", parent=self.variant,
                           config=self.config_dict, step=step, epoch=state["position"]["epoch"])
-        self.run.register(f"{self.variant}/checkpoint-last", path, kind="checkpoint-alias",
-                          stage="train", parent=self.variant)
+        self.run.register_alias(f"{self.variant}/checkpoint-last", of=name)
         if best:
             atomic_torch_save(state, self.folder / "checkpoint-best.pt")
             self.run.register(f"{self.variant}/checkpoint-best", self.folder / "checkpoint-best.pt",
-                              kind="checkpoint-alias", stage="train", parent=self.variant,
-                              step=None)
+                              kind="checkpoint-best", stage="train", parent=self.variant)
         for _, old in _checkpoints_of(self.run, self.variant)[self.keep:]:
             self.run.unregister(old)
 
@@ -229,8 +227,6 @@ def train_variant(variant: str, precision: Precision, splits: DataSplits, config
     if world.is_main:
         folder.mkdir(parents=True, exist_ok=True)
     seed_everything(config.seed)
-    if config.deterministic:
-        torch.use_deterministic_algorithms(True)
     spec = model_spec(config.model, splits.num_classes, splits.in_channels, splits.image_size)
     model = build_model(config.model, splits.num_classes, splits.in_channels).to(device)
     if device.type == "cuda":
@@ -404,11 +400,11 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
     With ``resume``, a variant whose model.pt is listed is done; the others continue from their
     newest good checkpoint, or start afresh where they have none.
     """
+    import torch
+
     device = resolve_device(config.device)
     world = distributed.current()
     if world.active and device.type == "cuda":
-        import torch
-
         device = torch.device("cuda", world.local_rank)
     precision = resolve_precision(config.precision, device)
     splits = load_splits(config)
@@ -418,13 +414,19 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
                                                      "world_size": world.world_size})
     variants = ([("fp32", Precision("fp32"))] if config.baseline else []) + [("amp", precision)]
     results = []
-    for name, prec in variants:
-        if resume and name in run.artifacts():
-            saved = run.entry(name)["training"]
-            results.append(TrainResult(**{f: saved.get(f) for f in TrainResult.__dataclass_fields__}))
-            say(f"{name}: already finished", quiet=config.quiet)
-            continue
-        results.append(train_variant(name, prec, splits, config, run, device, resume))
+    deterministic_before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(config.deterministic or deterministic_before)
+    try:
+        for name, prec in variants:
+            if resume and name in run.artifacts():
+                saved = run.entry(name)["training"]
+                results.append(TrainResult(**{f: saved.get(f)
+                                              for f in TrainResult.__dataclass_fields__}))
+                say(f"{name}: already finished", quiet=config.quiet)
+                continue
+            results.append(train_variant(name, prec, splits, config, run, device, resume))
+    finally:  # later stages in the same chain may use ops with no deterministic kernel
+        torch.use_deterministic_algorithms(deterministic_before)
     for result in results:
         say(f"trained {result.variant} ({result.precision}): test accuracy "
             f"{result.test_accuracy:.4f}, {result.samples_per_second:.0f} samples/s, "
