@@ -10,6 +10,7 @@ sums), so a resumed run on CPU ends bit-identical to one that was never interrup
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -196,25 +197,22 @@ def _weights_digest(model) -> str:
     return digest.hexdigest()
 
 
-def _guard_workers(batches_of_epoch, variant: str, epoch: int, pos: dict, folder: Path):
-    """The epoch's batches; a DataLoader worker that dies or goes silent becomes one clear error
-    (the checkpoints already written stay as they are)."""
-    iterator = iter(batches_of_epoch)
-    while True:
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            return
-        except RuntimeError as exc:
-            text = str(exc)
-            if "DataLoader worker" not in text and "timed out" not in text:
-                raise
-            raise PipelineError(
-                f"{variant}: a DataLoader worker died or hung at epoch {epoch} step "
-                f"{pos['step_in_epoch'] + 1} ({text.splitlines()[0][:160]}); checkpoints in "
-                f"{folder} are intact: fix the data or use --workers 0, then 'pipeline train "
-                "--resume'") from None
-        yield batch
+@contextlib.contextmanager
+def _worker_failures(variant: str, epoch: int, pos: dict, folder: Path):
+    """A DataLoader worker that dies or goes silent becomes one clear error. The death is
+    reported by a SIGCHLD handler, so it can surface anywhere in the epoch, not only where the
+    next batch is fetched; checkpoints already written stay as they are."""
+    try:
+        yield
+    except RuntimeError as exc:
+        text = str(exc)
+        if "DataLoader worker" not in text and "DataLoader timed out" not in text:
+            raise
+        raise PipelineError(
+            f"{variant}: a DataLoader worker died or hung at epoch {epoch} step "
+            f"{pos['step_in_epoch'] + 1} ({text.splitlines()[0][:160]}); checkpoints in "
+            f"{folder} are intact: fix the data or use --workers 0, then 'pipeline train "
+            "--resume'") from None
 
 
 def train_variant(variant: str, precision: Precision, splits: DataSplits, config, run: Run,
@@ -289,59 +287,61 @@ def train_variant(variant: str, precision: Precision, splits: DataSplits, config
             bar = progress(loader, desc=f"{variant} {epoch}/{config.epochs}", quiet=config.quiet
                            or not world.is_main)
             started = tick = time.perf_counter()
-            for images, labels in _guard_workers(bar, variant, epoch, pos, folder):
-                images = images.to(device, non_blocking=True)
-                labels = labels.to(device, non_blocking=True)
-                if device.type == "cuda":
-                    images = images.contiguous(memory_format=torch.channels_last)
-                with autocast(precision, device):
-                    logits = trained(images)
-                loss = criterion(logits.float(), labels)
-                loss_value = float(loss.detach())
-                finite = distributed.sum_over_ranks([float(math.isfinite(loss_value))], device)
-                step = pos["step_in_epoch"] + 1
-                if finite[0] < world.world_size:
-                    raise PipelineError(
-                        f"{variant}: loss became {loss_value} at epoch {epoch} step {step}; "
-                        "lower --lr or change --precision (checkpoints already written in "
-                        f"{folder} are untouched)")
-                optimizer.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                if config.grad_clip:
-                    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-                scale_before = scaler.get_scale() if scaler.is_enabled() else None
-                scaler.step(optimizer)
-                scaler.update()
-                if scale_before is not None and scaler.get_scale() < scale_before:
-                    totals["skipped"] += 1  # GradScaler found inf/NaN gradients: no step
-                    totals["in_a_row"] += 1
-                    if totals["in_a_row"] > config.max_skipped_steps:
+            with _worker_failures(variant, epoch, pos, folder):
+                for images, labels in bar:
+                    images = images.to(device, non_blocking=True)
+                    labels = labels.to(device, non_blocking=True)
+                    if device.type == "cuda":
+                        images = images.contiguous(memory_format=torch.channels_last)
+                    with autocast(precision, device):
+                        logits = trained(images)
+                    loss = criterion(logits.float(), labels)
+                    loss_value = float(loss.detach())
+                    finite = distributed.sum_over_ranks([float(math.isfinite(loss_value))], device)
+                    step = pos["step_in_epoch"] + 1
+                    if finite[0] < world.world_size:
                         raise PipelineError(
-                            f"{variant}: GradScaler skipped {totals['in_a_row']} optimizer steps "
-                            f"in a row (inf/NaN gradients) up to epoch {epoch} step {step}; lower "
-                            "--lr, add --grad-clip or use --precision bf16")
-                else:
-                    totals["in_a_row"] = 0
-                scheduler.step()
-                pos["step_in_epoch"] = step
-                pos["global_step"] += 1
-                sums["loss"] += loss_value * len(labels)
-                sums["correct"] += int((logits.argmax(1) == labels).sum())
-                sums["seen"] += len(labels)
-                if hasattr(bar, "set_postfix"):
-                    rate = len(labels) * world.world_size / max(time.perf_counter() - tick, 1e-9)
-                    bar.set_postfix(loss=f"{sums['loss'] / sums['seen']:.3f}",
-                                    acc=f"{sums['correct'] / sums['seen']:.3f}",
-                                    samples_per_s=f"{rate:.0f}", refresh=False)
-                tick = time.perf_counter()
-                every = config.checkpoint_every
-                if every and pos["global_step"] % every == 0 and step < steps_per_epoch:
-                    totals["seconds"] += time.perf_counter() - started
-                    distributed.sync_buffers(model)
-                    if world.is_main:
-                        checkpointer.save(state_now(), best=False)
-                    started = time.perf_counter()
+                            f"{variant}: loss became {loss_value} at epoch {epoch} step {step}; "
+                            "lower --lr or change --precision (checkpoints already written in "
+                            f"{folder} are untouched)")
+                    optimizer.zero_grad(set_to_none=True)
+                    scaler.scale(loss).backward()
+                    if config.grad_clip:
+                        scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+                    scale_before = scaler.get_scale() if scaler.is_enabled() else None
+                    scaler.step(optimizer)
+                    scaler.update()
+                    if scale_before is not None and scaler.get_scale() < scale_before:
+                        totals["skipped"] += 1  # GradScaler found inf/NaN gradients: no step
+                        totals["in_a_row"] += 1
+                        if totals["in_a_row"] > config.max_skipped_steps:
+                            raise PipelineError(
+                                f"{variant}: GradScaler skipped {totals['in_a_row']} optimizer "
+                                f"steps in a row (inf/NaN gradients) up to epoch {epoch} step "
+                                f"{step}; lower --lr, add --grad-clip or use --precision bf16")
+                    else:
+                        totals["in_a_row"] = 0
+                    scheduler.step()
+                    pos["step_in_epoch"] = step
+                    pos["global_step"] += 1
+                    sums["loss"] += loss_value * len(labels)
+                    sums["correct"] += int((logits.argmax(1) == labels).sum())
+                    sums["seen"] += len(labels)
+                    if hasattr(bar, "set_postfix"):
+                        elapsed = max(time.perf_counter() - tick, 1e-9)
+                        rate = len(labels) * world.world_size / elapsed
+                        bar.set_postfix(loss=f"{sums['loss'] / sums['seen']:.3f}",
+                                        acc=f"{sums['correct'] / sums['seen']:.3f}",
+                                        samples_per_s=f"{rate:.0f}", refresh=False)
+                    tick = time.perf_counter()
+                    every = config.checkpoint_every
+                    if every and pos["global_step"] % every == 0 and step < steps_per_epoch:
+                        totals["seconds"] += time.perf_counter() - started
+                        distributed.sync_buffers(model)
+                        if world.is_main:
+                            checkpointer.save(state_now(), best=False)
+                        started = time.perf_counter()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             totals["seconds"] += time.perf_counter() - started
@@ -390,7 +390,8 @@ def train_variant(variant: str, precision: Precision, splits: DataSplits, config
         run.register(variant, folder / "model.pt", kind="model", stage="train",
                      config=asdict(config), format="pytorch", model_spec=spec,
                      training=asdict(result) | {"weights_sha256_all_ranks": digests[0]},
-                     checkpoint_bytes=run.verified_path(f"{variant}/checkpoint-last").stat().st_size)
+                     checkpoint_bytes=(run.root / run.entry(f"{variant}/checkpoint-last")["path"])
+                     .stat().st_size)
     return result
 
 
