@@ -197,17 +197,35 @@ def _weights_digest(model) -> str:
     return digest.hexdigest()
 
 
+def _stop_workers(data_iterator) -> None:
+    """Shut a failed loader's workers down with SIGCHLD held back, so that the death of a
+    worker cannot raise a second error while the first is being reported."""
+    import signal
+
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    try:
+        data_iterator._shutdown_workers()  # what its __del__ would do; unregisters the pids
+    except Exception:  # the workers are already gone; nothing more to clean up
+        pass
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
 @contextlib.contextmanager
-def _worker_failures(variant: str, epoch: int, pos: dict, folder: Path):
+def _worker_failures(variant: str, epoch: int, pos: dict, folder: Path, data_iterator):
     """A DataLoader worker that dies or goes silent becomes one clear error. The death is
     reported by a SIGCHLD handler, so it can surface anywhere in the epoch, not only where the
     next batch is fetched; checkpoints already written stay as they are."""
     try:
         yield
-    except RuntimeError as exc:
-        text = str(exc)
-        if "DataLoader worker" not in text and "DataLoader timed out" not in text:
+    except (RuntimeError, ConnectionError, EOFError) as exc:
+        # A worker killed while it hands over a batch breaks the pipe instead (ConnectionError).
+        text = str(exc) or type(exc).__name__
+        if isinstance(exc, RuntimeError) and not any(
+                marker in text for marker in ("DataLoader worker", "DataLoader timed out")):
             raise
+        if hasattr(data_iterator, "_shutdown_workers"):
+            _stop_workers(data_iterator)
         raise PipelineError(
             f"{variant}: a DataLoader worker died or hung at epoch {epoch} step "
             f"{pos['step_in_epoch'] + 1} ({text.splitlines()[0][:160]}); checkpoints in "
@@ -284,10 +302,11 @@ def train_variant(variant: str, precision: Precision, splits: DataSplits, config
                 continue
             trained.train()
             sampler.set_epoch(epoch, start=pos["step_in_epoch"] * config.batch_size)
-            bar = progress(loader, desc=f"{variant} {epoch}/{config.epochs}", quiet=config.quiet
-                           or not world.is_main)
+            data_iterator = iter(loader)
+            bar = progress(data_iterator, desc=f"{variant} {epoch}/{config.epochs}",
+                           quiet=config.quiet or not world.is_main, total=len(loader))
             started = tick = time.perf_counter()
-            with _worker_failures(variant, epoch, pos, folder):
+            with _worker_failures(variant, epoch, pos, folder, data_iterator):
                 for images, labels in bar:
                     images = images.to(device, non_blocking=True)
                     labels = labels.to(device, non_blocking=True)
