@@ -1,8 +1,8 @@
 """Post-training quantization of the `amp` model: PyTorch dynamic and static int8, ONNX and ORT.
 
-Static int8 is scored on a validation slice of the training data against its float source; with
---auto several configurations are tried and the fastest within --max-accuracy-drop is kept, and
-a configuration that misses the budget keeps its most sensitive layers in float (stages/tuning).
+Static int8 is scored on held-out training images (never the test split) against its float
+source; with --auto several configurations are tried and the fastest within --max-accuracy-drop
+is kept, and one that misses the budget keeps its most sensitive layers in float (stages/tuning).
 
 Every method writes its file atomically, loads it back from disk, checks that the reloaded model
 gives the predictions the in-memory one gave, and registers it in the manifest. A quantized
@@ -242,10 +242,9 @@ def torch_dynamic(ctx: QuantContext) -> dict:
         "quantization": "dynamic-int8", "backend": backend, "modules": ["Linear"]})
 
 
-def _torch_static_backend(ctx: QuantContext, backend: str) -> dict:
+def _torch_static_backend(ctx: QuantContext, backend: str, groups: dict[str, list[str]]) -> dict:
     calibration = ctx.calibration()
     float_model = ctx.float_model()
-    groups = torch_layer_groups(float_model)
 
     def build(options: dict, float_layers):
         members = [m for layer in float_layers for m in groups[layer]]
@@ -271,10 +270,10 @@ def torch_static(ctx: QuantContext) -> dict:
                   else [torch_static_options(observer, per_channel)])
     reference = ctx.reference(lambda images: predict(ctx.float_model(), images))
     say("torch-static: scoring on the validation slice", quiet=config.quiet)
-    trial, record = tuning.tune(_torch_static_backend(ctx, backend), candidates, reference,
+    groups = torch_layer_groups(ctx.float_model())
+    trial, record = tuning.tune(_torch_static_backend(ctx, backend, groups), candidates, reference,
                                 config.max_accuracy_drop, timed=config.auto,
                                 say=lambda m: say(m, quiet=config.quiet))
-    groups = torch_layer_groups(ctx.float_model())
     return _save_torch_variant(ctx, "torch-static", trial.model, {
         "quantization": "fx-static-int8", "backend": backend, "options": trial.options,
         "float_layers": list(trial.float_layers),

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict
-from pathlib import Path
 
 from stages import bench, export, opstats, plots, tuning
 from stages.artifacts import Run, atomic_write_json, atomic_write_text, open_run

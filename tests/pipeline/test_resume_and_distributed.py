@@ -41,7 +41,6 @@ def test_sigkill_mid_epoch_then_resume_ends_bit_identical(tmp_path):
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     listed = _artifacts(tmp_path, "killed")
     assert "amp" not in listed
-    folder = tmp_path / "runs" / "killed" / "train" / "amp"
     for entry in listed.values():  # every listed file is whole
         assert artifacts.sha256_file(tmp_path / "runs" / "killed" / entry["path"]) == entry["sha256"]
 
