@@ -57,6 +57,30 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
+def _run_options(command):
+    """--run and --artifacts-dir after a stage as well as before it: people type both."""
+    command = click.option("--artifacts-dir", "stage_artifacts_dir", metavar="DIR",
+                           type=click.Path(file_okay=False, path_type=Path),
+                           help="Same as the group's --artifacts-dir.")(command)
+    return click.option("--run", "stage_run", metavar="NAME",
+                        help="Same as the group's --run.")(command)
+
+
+def _take_run_options(ctx: click.Context, flags: dict) -> None:
+    """Move a stage's --run/--artifacts-dir into the chain's choice; two different values for
+    one chain are refused, since every stage of a chain works on one run."""
+    chosen = ctx.find_root().obj.setdefault("chosen", {})
+    for key, value in (("run_name", flags.pop("stage_run")),
+                       ("artifacts_dir", flags.pop("stage_artifacts_dir"))):
+        if value is None:
+            continue
+        if chosen.get(key) not in (None, value):
+            flag = "--run" if key == "run_name" else "--artifacts-dir"
+            raise click.UsageError(f"{flag} is given twice with different values ({chosen[key]} "
+                                   f"and {value}); a chain works on one run")
+        chosen[key] = value
+
+
 def _build(ctx: click.Context, stage: str, flags: dict):
     """Defaults < --config file < flags; a config error is a usage error (exit 2)."""
     try:
@@ -95,7 +119,13 @@ def cli(ctx: click.Context, artifacts_dir, run_name, device, seed, config_file, 
         file_values = cfg.read_config_file(config_file) if config_file else {}
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    ctx.obj = {"file": file_values, "seed": seed, "device": device, "quiet": quiet}
+    ctx.obj = {"file": file_values, "seed": seed, "device": device, "quiet": quiet,
+               "chosen": {}}
+    # Given on the command line, the group's values must agree with a stage's; from the
+    # environment or by default, a stage's flag overrides them.
+    for key, value in (("run_name", run_name), ("artifacts_dir", artifacts_dir)):
+        if ctx.get_parameter_source(key) == click.core.ParameterSource.COMMANDLINE:
+            ctx.obj["chosen"][key] = value
 
 
 @cli.result_callback()
@@ -107,6 +137,9 @@ def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Pa
 
     if not processors:
         return
+    chosen = ctx.obj["chosen"]
+    artifacts_dir = chosen.get("artifacts_dir", artifacts_dir)
+    run_name = chosen.get("run_name", run_name)
     world = distributed.setup(ctx.obj["device"])  # a single process unless torchrun started us
     try:
         run = None
@@ -182,9 +215,11 @@ def _run_stage(run, stage: str, process: Callable, writes: bool) -> None:
               "this in a row.  [default: 25]")
 @click.option("--deterministic/--no-deterministic", default=None,
               help="torch.use_deterministic_algorithms, for bit-identical resumes.")
+@_run_options
 @click.pass_context
 def train(ctx: click.Context, resume: bool, **flags) -> Processor:
     """Train the `amp` model and the `fp32` baseline; save fp32 master-weight checkpoints."""
+    _take_run_options(ctx, flags)
     if resume:
         given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
         if given:
@@ -241,9 +276,11 @@ def _saved_train_config(ctx: click.Context, run) -> "cfg.TrainConfig":
 @click.option("--max-accuracy-drop", type=float, metavar="POINTS",
               help="Validation accuracy a static model may lose against its float source; "
                    "beyond it, sensitive layers stay float.  [default: 1.0]")
+@_run_options
 @click.pass_context
 def quantize(ctx: click.Context, **flags) -> Processor:
     """Quantize the run's `amp` model: PyTorch dynamic/static int8, ONNX, ORT dynamic/static."""
+    _take_run_options(ctx, flags)
     flags |= {"seed": ctx.obj["seed"], "quiet": ctx.obj["quiet"]}
     if flags.get("per_channel") is not None:
         flags["per_channel"] = bool(flags["per_channel"])
@@ -270,9 +307,11 @@ def quantize(ctx: click.Context, **flags) -> Processor:
               help="Exit 1 when the recommended variant is less than X times faster than fp32.")
 @click.option("--compare", multiple=True, metavar="RUN[,RUN...]",
               help="Also put these runs' reports side by side with this one (compare.md).")
+@_run_options
 @click.pass_context
 def report(ctx: click.Context, **flags) -> Processor:
     """Measure every variant the same way; write report.md, report.json and plots."""
+    _take_run_options(ctx, flags)
     flags |= {"quiet": ctx.obj["quiet"], "compare": flags["compare"] or None}
     config = _build(ctx, "report", flags)
 

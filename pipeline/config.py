@@ -22,6 +22,49 @@ ORT_TYPES = ("u8s8", "s8s8")
 ORT_FORMATS = ("qdq", "qoperator")
 
 
+TYPE_NAMES = {"bool": "true or false", "int": "a whole number", "float": "a number",
+              "str": "a string", "tuple[str, ...]": "a list of strings or a comma list",
+              "tuple[int, ...]": "a list of whole numbers or a comma list"}
+
+
+def _fits(value: Any, kind: str) -> bool:
+    """Whether ``value`` has the type a dataclass field declares (declared as a string)."""
+    if kind.endswith(" | None"):
+        return value is None or _fits(value, kind[: -len(" | None")])
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "str":
+        return isinstance(value, str)
+    if kind.startswith("tuple["):
+        element = kind[len("tuple["):].split(",")[0]
+        return isinstance(value, str) or (isinstance(value, (list, tuple)) and all(
+            _fits(item, element) for item in value))
+    return True
+
+
+def type_error(cls, values: dict[str, Any]) -> str | None:
+    """The first value whose type its field does not allow, as 'name: expected, got value'."""
+    kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+    for name, value in values.items():
+        kind = kinds.get(name)
+        if kind is not None and not _fits(value, kind):
+            wanted = TYPE_NAMES.get(kind.removesuffix(" | None"), kind)
+            return f"must be {wanted}, got {value!r}"
+    return None
+
+
+def _check_types(config) -> None:
+    """Flags arrive typed by Click; other callers (a TOML file, Python code) may not."""
+    for field in dataclasses.fields(config):
+        problem = type_error(type(config), {field.name: getattr(config, field.name)})
+        if problem:
+            raise ValueError(f"--{field.name.replace('_', '-')} {problem}")
+
+
 def _choice(flag: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"{flag} {value!r} is not one of: {', '.join(map(str, allowed))}")
@@ -61,6 +104,7 @@ class TrainConfig:
     quiet: bool = False
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _choice("--dataset", self.dataset, DATASET_NAMES)
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
@@ -105,6 +149,7 @@ class QuantizeConfig:
     quiet: bool = False
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if isinstance(self.methods, str):
             self.methods = parse_methods(self.methods)
         self.methods = tuple(self.methods)
@@ -144,6 +189,7 @@ class ReportConfig:
     quiet: bool = False
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if isinstance(self.compare, str):
             self.compare = (self.compare,)
         self.compare = tuple(name.strip() for item in self.compare for name in item.split(",")
@@ -184,11 +230,16 @@ def read_config_file(path: Path) -> dict[str, dict]:
         if stage not in STAGE_CONFIGS:
             raise ValueError(f"--config {path}: unknown table [{stage}]; known: "
                              f"{', '.join(STAGE_CONFIGS)}")
+        if not isinstance(table, dict):
+            raise ValueError(f"--config {path}: [{stage}] must be a table of settings")
         known = {f.name for f in dataclasses.fields(STAGE_CONFIGS[stage])}
-        for key in table:
+        for key, value in table.items():
             if key not in known:
                 raise ValueError(f"--config {path}: unknown key {key!r} in [{stage}]; known: "
                                  f"{', '.join(sorted(known))}")
+            problem = type_error(STAGE_CONFIGS[stage], {key: value})
+            if problem:
+                raise ValueError(f"--config {path}: {key} in [{stage}] {problem}")
     return data
 
 

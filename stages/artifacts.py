@@ -13,17 +13,22 @@ import json
 import os
 import platform
 import re
+import resource
+import shutil
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator
 
 from stages.errors import PipelineError, UsageError
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 TEMP_SUFFIX = ".tmp"
-# Errors of the disk rather than of the code: full, quota, read-only, I/O.
-WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM}
+# Errors of the disk rather than of the code: full, quota, file size limit, read-only, I/O.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.EACCES,
+                errno.EPERM}
+# Left free beyond a write's own estimate, so that the manifest and the report still fit.
+SPARE_BYTES = 16 << 20
 
 
 # ---------------------------------------------------------------- atomic writes
@@ -40,12 +45,71 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """The process umask (read by setting it, so set it straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _write_failure(exc: BaseException) -> OSError | None:
+    """The operating-system error behind a failed write, if there is one. Tools that write files
+    themselves wrap it: torch's zip writer raises "unexpected pos" with the OSError as context."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _megabytes(count: float) -> str:
+    return f"{count / 1e6:.1f} MB"
+
+
+def disk_failure_message(path: Path, error: OSError | None, written: int | None = None) -> str:
+    """Say what failed at the disk and what to do: the folder, what is free, what was needed."""
+    folder = Path(path).parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = None
+    reason = error.strerror if error is not None and error.strerror else "the write failed"
+    parts = [f"writing {path} failed: {reason}"]
+    if error is not None and error.errno == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            parts.append(f"the file size limit of this process is {_megabytes(limit)} "
+                         "(ulimit -f)")
+    if written:
+        parts.append(f"{_megabytes(written)} were written before it failed")
+    if free is not None:
+        parts.append(f"{_megabytes(free)} free in {folder}")
+    return ("; ".join(parts) + "; nothing was written under that name: free some space, raise "
+            "the limit or choose another --artifacts-dir")
+
+
+def check_free_space(folder: Path, needed: int, what: str) -> None:
+    """Refuse a large write up front when the disk plainly cannot hold it."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return
+    if free < needed + SPARE_BYTES:
+        raise PipelineError(f"not enough space in {folder} for {what}: {_megabytes(free)} free, "
+                            f"it needs about {_megabytes(needed)} (plus "
+                            f"{_megabytes(SPARE_BYTES)} kept spare); free some space or choose "
+                            "another --artifacts-dir")
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success fsync it and rename it into place.
 
     Tools that insist on writing a file themselves (torch.onnx, ONNX Runtime's quantizer) write
-    to the temporary path, so a crash never leaves a half file under the real name.
+    to the temporary path, so a crash never leaves a half file under the real name. The file
+    gets the permissions the umask gives a normal write (mkstemp's are private).
     """
     path = Path(path)
     try:
@@ -54,6 +118,8 @@ def atomic_path(path: Path) -> Iterator[Path]:
                                         dir=path.parent)
         os.close(fd)
     except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise PipelineError(disk_failure_message(path, exc)) from None
         raise PipelineError(f"cannot write in {path.parent}: {exc.strerror}; choose a writable "
                             "--artifacts-dir") from None
     tmp = Path(tmp_name)
@@ -61,13 +127,15 @@ def atomic_path(path: Path) -> Iterator[Path]:
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except OSError as exc:
-        if exc.errno not in WRITE_ERRNOS:
+    except Exception as exc:
+        failure = _write_failure(exc)
+        if failure is None:
             raise
-        raise PipelineError(f"writing {path} failed: {exc.strerror}; nothing was written under "
-                            "that name (free some space or choose another --artifacts-dir)") from None
+        written = tmp.stat().st_size if tmp.exists() else None
+        raise PipelineError(disk_failure_message(path, failure, written)) from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -97,9 +165,23 @@ def atomic_write_json(path: Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a nested structure: about what torch.save writes."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
 def atomic_torch_save(obj: Any, path: Path) -> None:
     import torch
 
+    check_free_space(Path(path).parent, tensor_bytes(obj), Path(path).name)
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
@@ -176,23 +258,44 @@ class Run:
     def artifacts(self) -> dict[str, dict]:
         return self.manifest()["artifacts"]
 
+    def _write_manifest(self, manifest: dict) -> None:
+        """Atomically, padded with spaces (valid JSON) so that a later status change can be
+        written over the same bytes when the disk has no room for a new file."""
+        text = json.dumps(manifest, indent=2) + "\n"
+        atomic_write_text(self.manifest_path, text.ljust(-(-(len(text) + 1024) // 4096) * 4096))
+
+    def path_inside(self, relative: str, name: str) -> Path:
+        """The path of a manifest entry, refused unless it stays inside the run folder: a
+        manifest is data, and an edited one must not make a stage read or delete elsewhere."""
+        pure = PurePosixPath(relative) if isinstance(relative, str) else None
+        if pure is None or not relative or pure.is_absolute() or ".." in pure.parts:
+            raise PipelineError(f"manifest.json of run {self.name!r}: entry {name!r} points "
+                                f"outside the run folder ({relative!r}); refusing to use it: "
+                                "restore manifest.json or re-run the stage that wrote it")
+        path = self.root / pure
+        root = self.root.resolve()
+        if root != path.resolve() and root not in path.resolve().parents:
+            raise PipelineError(f"manifest.json of run {self.name!r}: entry {name!r} ({relative}) "
+                                "is a link that leaves the run folder; refusing to use it: "
+                                "replace it with the file itself")
+        return path
+
+    def _file_record(self, path: Path) -> dict:
+        return {"path": Path(path).relative_to(self.root).as_posix(),
+                "sha256": sha256_file(path), "bytes": Path(path).stat().st_size}
+
     def register(self, name: str, path: Path, *, kind: str, stage: str, parent: str | None = None,
-                 config: dict | None = None, **extra: Any) -> dict:
-        """List a written file in manifest.json with its sha256 and size."""
-        path = Path(path)
-        entry = {
-            "kind": kind,
-            "path": path.relative_to(self.root).as_posix(),
-            "sha256": sha256_file(path),
-            "bytes": path.stat().st_size,
-            "stage": stage,
-            "parent": parent,
-            "config": config or {},
-            **extra,
-        }
+                 config: dict | None = None, companions: tuple[Path, ...] = (),
+                 **extra: Any) -> dict:
+        """List a written file in manifest.json with its sha256 and size; ``companions`` are
+        files that belong to it (OpenVINO's .bin beside its .xml), listed and checked alike."""
+        entry = {"kind": kind, **self._file_record(Path(path)), "stage": stage, "parent": parent,
+                 "config": config or {}, **extra}
+        if companions:
+            entry["files"] = [self._file_record(Path(c)) for c in companions]
         manifest = self.manifest()
         manifest["artifacts"][name] = entry
-        atomic_write_json(self.manifest_path, manifest)
+        self._write_manifest(manifest)
         return entry
 
     def register_alias(self, alias: str, of: str) -> None:
@@ -201,19 +304,25 @@ class Run:
         entry = manifest["artifacts"][of]
         manifest["artifacts"][alias] = {k: v for k, v in entry.items() if k not in ("step",)} | {
             "kind": f"{entry['kind']}-alias", "alias_of": of}
-        atomic_write_json(self.manifest_path, manifest)
+        self._write_manifest(manifest)
 
     def unregister(self, name: str) -> None:
-        """Drop an artifact from the manifest first, then its file: a crash in between leaves a
-        stray file, never a listed file that is missing."""
+        """Drop an artifact from the manifest first, then its files: a crash in between leaves
+        a stray file, never a listed file that is missing."""
         manifest = self.manifest()
         entry = manifest["artifacts"].pop(name, None)
         if entry is None:
             return
-        atomic_write_json(self.manifest_path, manifest)
-        still_used = {e["path"] for e in manifest["artifacts"].values()}
-        if entry["path"] not in still_used:
-            (self.root / entry["path"]).unlink(missing_ok=True)
+        self._write_manifest(manifest)
+        still_used = {record["path"] for e in manifest["artifacts"].values()
+                      for record in [e, *e.get("files", [])]}
+        for record in [entry, *entry.get("files", [])]:
+            if record["path"] in still_used:
+                continue
+            try:
+                self.path_inside(record["path"], name).unlink(missing_ok=True)
+            except PipelineError:  # an edited entry: drop it, but delete nothing outside
+                pass
 
     def entry(self, name: str) -> dict:
         artifacts = self.artifacts()
@@ -223,32 +332,67 @@ class Run:
         return artifacts[name]
 
     def verified_path(self, name: str) -> Path:
-        """The file of artifact ``name`` after checking that it is the file the manifest lists."""
+        """The file of artifact ``name`` after checking that it, and every companion file, is
+        the file the manifest lists."""
         entry = self.entry(name)
-        path = self.root / entry["path"]
-        if not path.is_file():
-            raise PipelineError(f"{name}: {path} is missing; re-run the stage that writes it")
-        if path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
-            raise PipelineError(f"{name}: {path} does not match its sha256 in manifest.json "
-                                "(truncated or changed since it was written); re-run the stage "
-                                "that writes it")
-        return path
+        for record in [entry, *entry.get("files", [])]:
+            path = self.path_inside(record["path"], name)
+            if not path.is_file():
+                raise PipelineError(f"{name}: {path} is missing; re-run the stage that writes it")
+            if path.stat().st_size != record["bytes"] or sha256_file(path) != record["sha256"]:
+                raise PipelineError(f"{name}: {path} does not match its sha256 in manifest.json "
+                                    "(truncated or changed since it was written); re-run the "
+                                    "stage that writes it")
+        return self.path_inside(entry["path"], name)
+
+    def shipped_bytes(self, name: str) -> int:
+        """Bytes a user ships for a variant: its file and every companion."""
+        entry = self.entry(name)
+        return entry["bytes"] + sum(record["bytes"] for record in entry.get("files", []))
 
     def mark_stage(self, stage: str, status: str, detail: str | None = None) -> None:
-        """running -> complete (or failed): a run is complete only where its manifest says so."""
+        """running -> complete (or failed): a run is complete only where its manifest says so.
+
+        When the disk is full a failure cannot be written as a new file; it is then written
+        over the manifest's own bytes (their padding leaves room), so the stage never stays
+        `running` after it failed."""
         manifest = self.manifest()
         stages = manifest.setdefault("stages", {})
         stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
         stages[stage] = stages.get(stage, {}) | {"status": status, status: stamp}
         if detail:
             stages[stage]["error"] = detail
-        atomic_write_json(self.manifest_path, manifest)
+        try:
+            self._write_manifest(manifest)
+        except PipelineError:
+            if status != "failed" or not _overwrite_in_place(self.manifest_path,
+                                                             json.dumps(manifest, indent=2)):
+                raise
 
     def record_config(self, stage: str, config: dict) -> None:
         path = self.root / "config.json"
         data = json.loads(path.read_text()) if path.exists() else {}
         data[stage] = config
         atomic_write_json(path, data)
+
+
+def _overwrite_in_place(path: Path, text: str) -> bool:
+    """Write ``text`` over the existing bytes of ``path``, padded to its length; False if it
+    does not fit. Needs no new disk blocks, so it works on a full disk."""
+    data = text.encode()
+    try:
+        size = path.stat().st_size
+        if len(data) > size:
+            return False
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, data.ljust(size, b" "))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
 
 
 def _runs_dir(artifacts_dir: Path) -> Path:
@@ -286,7 +430,7 @@ def create_run(artifacts_dir: Path, name: str | None = None) -> Run:
     except OSError as exc:
         raise PipelineError(f"cannot create a run folder under {artifacts_dir}: {exc.strerror}; "
                             "choose a writable --artifacts-dir") from None
-    atomic_write_json(run.manifest_path, {
+    run._write_manifest({
         "run": run.name,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "versions": versions(),

@@ -409,8 +409,7 @@ def train_variant(variant: str, precision: Precision, splits: DataSplits, config
         run.register(variant, folder / "model.pt", kind="model", stage="train",
                      config=asdict(config), format="pytorch", model_spec=spec,
                      training=asdict(result) | {"weights_sha256_all_ranks": digests[0]},
-                     checkpoint_bytes=(run.root / run.entry(f"{variant}/checkpoint-last")["path"])
-                     .stat().st_size)
+                     checkpoint_bytes=run.entry(f"{variant}/checkpoint-last")["bytes"])
     return result
 
 

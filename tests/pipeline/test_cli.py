@@ -84,6 +84,30 @@ def test_config_file_fills_in_and_flags_win(tmp_path):
     assert bad.exit_code == 2 and "unknown key 'epoch' in [train]" in bad.stderr
 
 
+@pytest.mark.parametrize("table, line, needle", [
+    ("quantize", 'auto = "no"', "auto in [quantize] must be true or false, got 'no'"),
+    ("train", 'baseline = "false"', "baseline in [train] must be true or false, got 'false'"),
+    ("train", 'epochs = "3"', "epochs in [train] must be a whole number, got '3'"),
+    ("report", "batch_sizes = [1, 2.5]", "batch_sizes in [report] must be a list of whole"),
+])
+def test_config_file_values_are_type_checked_like_flags(tmp_path, table, line, needle):
+    config = tmp_path / "pipeline.toml"
+    config.write_text(f"[{table}]\n{line}\n")
+    result = invoke("--artifacts-dir", str(tmp_path), "--config", str(config), table)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_run_and_artifacts_dir_also_follow_the_stage(tmp_path):
+    result = invoke("quantize", "--artifacts-dir", str(tmp_path), "--run", "nope")
+    assert result.exit_code == 2
+    assert f"run 'nope' does not exist in {tmp_path}" in result.stderr
+    clash = invoke("--run", "a", "quantize", "--run", "b")
+    assert clash.exit_code == 2 and "--run is given twice with different values" in clash.stderr
+
+
 def test_installed_command_runs_the_whole_chain(tmp_path):
     command = shutil.which("pipeline", path=str(Path(sys.executable).parent))
     assert command, "the console script 'pipeline' is not installed beside this python"

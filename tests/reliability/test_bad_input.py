@@ -115,6 +115,31 @@ def test_configs_either_build_or_raise_a_value_error_that_names_a_flag(stage, da
         assert "\n" not in str(exc)
 
 
+# For each declared type, values of some other type (what a hand-written TOML file holds).
+WRONG_TYPE = {
+    "bool": st.one_of(st.sampled_from(["no", "false", "true", "yes"]), st.integers(0, 1)),
+    "int": st.one_of(st.text(max_size=4).map(lambda t: t or "3"), st.floats(0.5, 9.5),
+                     st.booleans()),
+    "float": st.one_of(st.sampled_from(["0.1", "1e-3", "fast"]), st.booleans()),
+    "str": st.one_of(st.integers(), st.booleans(), st.lists(st.integers(), max_size=2)),
+}
+
+
+@pytest.mark.parametrize("stage", ["train", "quantize", "report"])
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_value_of_the_wrong_type_is_refused_naming_its_flag(stage, data):
+    config_class = cfg.STAGE_CONFIGS[stage]
+    fields = [f for f in config_class.__dataclass_fields__.values()
+              if f.type.removesuffix(" | None") in WRONG_TYPE and f.name != "model"]
+    field = data.draw(st.sampled_from(fields))
+    value = data.draw(WRONG_TYPE[field.type.removesuffix(" | None")])
+    extra = {"model": "smallcnn"} if stage == "train" else {}
+    with pytest.raises(ValueError) as raised:
+        config_class(**extra | {field.name: value})
+    assert str(raised.value).startswith(f"--{field.name.replace('_', '-')} must be ")
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(epochs=st.text(max_size=6), lr=st.text(max_size=6), batch=st.text(max_size=6),
        sizes=st.text(max_size=8))
