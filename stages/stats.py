@@ -1,58 +1,76 @@
-"""Confidence intervals for accuracies measured on one test split, so noise reads as noise.
+"""Confidence intervals for accuracies measured on one split, so that noise reads as noise.
 
-Wilson's score interval for one accuracy; Newcombe's method 10 for the difference between two
-models scored on the same images (paired), which uses the correlation between their hits and is
-well-behaved near 0 and 1 where the textbook Wald interval is not.
+Wilson's score interval for one accuracy comes from scipy. The change in accuracy between two
+models scored on the same images uses Newcombe's (1998) method 10 for paired proportions: the
+two Wilson intervals combined through the correlation of the paired outcomes, with his
+continuity correction of that correlation. Neither scipy nor statsmodels provides the paired
+interval (statsmodels has only the unpaired one, method 10 of his other 1998 paper, which is
+this formula with no correlation), so it is written out here and tested against the paper's
+worked examples.
 """
 from __future__ import annotations
 
 import math
 
-Z95 = 1.959963984540054
+CONFIDENCE = 0.95
 
 
-def wilson_interval(hits: int, total: int, z: float = Z95) -> tuple[float, float]:
+def wilson_interval(hits: int, total: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
     if total <= 0:
         return (float("nan"), float("nan"))
-    p = hits / total
-    denominator = 1 + z * z / total
-    centre = (p + z * z / (2 * total)) / denominator
-    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / denominator
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    from scipy.stats import binomtest
+
+    interval = binomtest(int(hits), int(total)).proportion_ci(confidence_level=confidence,
+                                                              method="wilson")
+    return (float(interval.low), float(interval.high))
 
 
-def newcombe_interval(hits_a: int, total_a: int, hits_b: int, total_b: int, phi: float = 0.0,
-                      z: float = Z95) -> dict:
-    """p_a - p_b with Newcombe's hybrid score interval built from the two Wilson intervals;
-    ``phi`` is the correlation of paired outcomes (0 for independent samples)."""
-    p_a, p_b = hits_a / total_a, hits_b / total_b
-    l_a, u_a = wilson_interval(hits_a, total_a, z)
-    l_b, u_b = wilson_interval(hits_b, total_b, z)
-    theta = p_a - p_b
-    delta = math.sqrt(max(0.0, (p_a - l_a) ** 2 - 2 * phi * (p_a - l_a) * (u_b - p_b)
-                          + (u_b - p_b) ** 2))
-    epsilon = math.sqrt(max(0.0, (u_a - p_a) ** 2 - 2 * phi * (u_a - p_a) * (p_b - l_b)
-                            + (p_b - l_b) ** 2))
-    return {"difference": theta, "low": max(-1.0, theta - delta), "high": min(1.0, theta + epsilon)}
+def _combine(p1: float, p2: float, limits1: tuple[float, float], limits2: tuple[float, float],
+             phi: float) -> dict:
+    """Newcombe's hybrid score interval for p1 - p2 from each proportion's Wilson limits."""
+    (l1, u1), (l2, u2) = limits1, limits2
+    theta = p1 - p2
+    delta = math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    epsilon = math.sqrt(max(0.0, (u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2)
+                            + (p2 - l2) ** 2))
+    return {"difference": theta, "low": max(-1.0, theta - delta),
+            "high": min(1.0, theta + epsilon)}
 
 
-def paired_difference_interval(reference_hits, candidate_hits, z: float = Z95) -> dict:
+def newcombe_unpaired(hits_a: int, total_a: int, hits_b: int, total_b: int) -> dict:
+    """p_a - p_b of two independent samples (Newcombe 1998, method 10)."""
+    return _combine(hits_a / total_a, hits_b / total_b, wilson_interval(hits_a, total_a),
+                    wilson_interval(hits_b, total_b), phi=0.0)
+
+
+def newcombe_paired(both: int, only_first: int, only_second: int, neither: int) -> dict:
+    """p_first - p_second when both were measured on the same n items (Newcombe 1998, paired,
+    method 10). The cells count items right for both, for the first only, for the second
+    only, and for neither."""
+    n = both + only_first + only_second + neither
+    if n == 0:
+        return {"difference": float("nan"), "low": float("nan"), "high": float("nan")}
+    margins = ((both + only_first) * (only_second + neither) * (both + only_second)
+               * (only_first + neither))
+    phi = 0.0
+    if margins > 0:
+        d = both * neither - only_first * only_second
+        corrected = max(d - n / 2, 0.0) if d > 0 else d  # the continuity correction
+        phi = corrected / math.sqrt(margins)
+    first, second = both + only_first, both + only_second
+    return _combine(first / n, second / n, wilson_interval(first, n),
+                    wilson_interval(second, n), phi)
+
+
+def paired_difference_interval(reference_hits, candidate_hits) -> dict:
     """Candidate accuracy minus reference accuracy on the same images, with a 95% interval.
 
     ``reference_hits`` and ``candidate_hits`` are sequences of booleans: whether each model got
-    each test image right. Pairing narrows the interval when the two models agree a lot.
+    each image right. Pairing narrows the interval when the two models agree a lot.
     """
     pairs = list(zip(reference_hits, candidate_hits, strict=True))
-    n = len(pairs)
-    if n == 0:
-        return {"difference": float("nan"), "low": float("nan"), "high": float("nan")}
     both = sum(1 for r, c in pairs if r and c)
-    only_reference = sum(1 for r, c in pairs if r and not c)
     only_candidate = sum(1 for r, c in pairs if c and not r)
-    neither = n - both - only_reference - only_candidate
-    margins = ((both + only_reference) * (only_candidate + neither) * (both + only_candidate)
-               * (only_reference + neither))
-    phi = 0.0
-    if margins > 0:
-        phi = (both * neither - only_reference * only_candidate) / math.sqrt(margins)
-    return newcombe_interval(both + only_candidate, n, both + only_reference, n, phi, z)
+    only_reference = sum(1 for r, c in pairs if r and not c)
+    return newcombe_paired(both, only_candidate, only_reference,
+                           len(pairs) - both - only_candidate - only_reference)

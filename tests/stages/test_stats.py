@@ -1,6 +1,8 @@
+"""Intervals against published worked examples (Newcombe 1998, both papers) and Wilson's."""
 import pytest
 
-from stages.stats import newcombe_interval, paired_difference_interval, wilson_interval
+from stages.stats import (newcombe_paired, newcombe_unpaired, paired_difference_interval,
+                          wilson_interval)
 
 
 @pytest.mark.parametrize("hits, total, low, high", [
@@ -14,19 +16,45 @@ def test_wilson_interval_known_cases(hits, total, low, high):
     assert got[0] == pytest.approx(low, abs=1e-4) and got[1] == pytest.approx(high, abs=1e-4)
 
 
-def test_paired_difference_of_identical_predictions_is_zero_and_narrow():
-    hits = [True] * 340 + [False] * 20
-    result = paired_difference_interval(hits, hits)
-    assert result["difference"] == 0.0
-    assert -0.02 < result["low"] < 0 < result["high"] < 0.02
+@pytest.mark.parametrize("a, n_a, b, n_b, diff, low, high", [
+    # Newcombe (1998), Stat Med 17:873, method 10, worked examples.
+    (56, 70, 48, 80, 0.2000, 0.0524, 0.3339),
+    (9, 10, 3, 10, 0.6000, 0.1705, 0.8090),
+])
+def test_unpaired_newcombe_reproduces_the_published_examples(a, n_a, b, n_b, diff, low, high):
+    result = newcombe_unpaired(a, n_a, b, n_b)
+    assert result["difference"] == pytest.approx(diff, abs=1e-4)
+    assert result["low"] == pytest.approx(low, abs=1e-4)
+    assert result["high"] == pytest.approx(high, abs=1e-4)
 
 
-def test_newcombe_interval_known_case():
-    # Newcombe (1998), independent samples 56/70 against 48/80: 0.2000 (0.0524, 0.3339).
-    result = newcombe_interval(56, 70, 48, 80)
-    assert result["difference"] == pytest.approx(0.2)
-    assert result["low"] == pytest.approx(0.0524, abs=1e-4)
-    assert result["high"] == pytest.approx(0.3339, abs=1e-4)
+@pytest.mark.parametrize("cells, diff, low, high", [
+    # Newcombe (1998), Stat Med 17:2635, method 10 (continuity-corrected phi), worked examples.
+    ((36, 12, 2, 0), 0.2, 0.0569, 0.3404),
+    ((18, 12, 2, 18), 0.2, 0.0562, 0.3290),
+    ((53, 0, 0, 1), 0.0, -0.0729, 0.0729),
+    ((0, 30, 0, 0), 1.0, 0.8395, 1.0),
+])
+def test_paired_newcombe_reproduces_the_published_examples(cells, diff, low, high):
+    result = newcombe_paired(*cells)
+    assert result["difference"] == pytest.approx(diff, abs=1e-4)
+    assert result["low"] == pytest.approx(low, abs=1e-4)
+    assert result["high"] == pytest.approx(high, abs=1e-4)
+
+
+def test_the_continuity_correction_changes_the_interval():
+    # (18, 12, 2, 18): the uncorrected phi is 0.5 and would give method 9's narrower interval,
+    # 0.0618 to 0.3239; method 10 corrects phi to 0.458.
+    result = newcombe_paired(18, 12, 2, 18)
+    assert result["low"] < 0.0618 - 5e-3 and result["high"] > 0.3239 + 5e-3
+
+
+def test_paired_difference_counts_the_cells_from_hits():
+    reference = [True] * 36 + [False] * 12 + [True] * 2 + [False] * 0
+    candidate = [True] * 36 + [True] * 12 + [False] * 2
+    result = paired_difference_interval(reference, candidate)  # candidate minus reference
+    assert result["difference"] == pytest.approx(10 / 50)
+    assert result["low"] == pytest.approx(0.0569, abs=1e-4)
 
 
 def test_paired_difference_detects_a_real_loss_and_tolerates_noise():
