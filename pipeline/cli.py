@@ -102,7 +102,8 @@ def _build(ctx: click.Context, stage: str, flags: dict):
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seeds initial weights, data order, splits and calibration samples.")
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False,
-              path_type=Path), help="TOML file with [train], [quantize], [report] tables.")
+              path_type=Path), help="TOML file with a table per stage: [train], [import], "
+              "[qat], [quantize], [report].")
 @click.option("--quiet", is_flag=True, help="No progress bars or per-epoch lines.")
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 @click.pass_context
@@ -113,7 +114,8 @@ def cli(ctx: click.Context, artifacts_dir, run_name, device, seed, config_file, 
     \b
     pipeline train quantize report              whole chain on the built-in digits data
     pipeline quantize --methods torch-static    on the latest run
-    pipeline --run NAME report --batch-sizes 1,8
+    pipeline report --run NAME --batch-sizes 1,8
+    pipeline import --model mymodels:net --weights net.pt quantize report
     """
     try:
         file_values = cfg.read_config_file(config_file) if config_file else {}
@@ -128,11 +130,15 @@ def cli(ctx: click.Context, artifacts_dir, run_name, device, seed, config_file, 
             ctx.obj["chosen"][key] = value
 
 
+CREATES_A_RUN = ("train", "import")  # the first stage of a chain that starts a new run
+
+
 @cli.result_callback()
 @click.pass_context
 def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Path,
               run_name: str | None, **_: object) -> None:
-    """Open (or, for train, create) the run once, then apply every stage to it in order."""
+    """Open (or, for train and import, create) the run once, then apply every stage to it in
+    order. Training (train, qat) runs on every torchrun rank; the rest on rank 0 alone."""
     from stages import artifacts, distributed
 
     if not processors:
@@ -140,23 +146,48 @@ def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Pa
     chosen = ctx.obj["chosen"]
     artifacts_dir = chosen.get("artifacts_dir", artifacts_dir)
     run_name = chosen.get("run_name", run_name)
+    _cap_isa_before_any_kernel(ctx, processors)
     world = distributed.setup(ctx.obj["device"])  # a single process unless torchrun started us
     try:
         run = None
-        if processors[0][0] != "train" or ctx.obj.get("resume"):
+        creates = processors[0][0] in CREATES_A_RUN and not ctx.obj.get("resume")
+        if not creates:
             run = artifacts.open_run(artifacts_dir, run_name)  # fails before any work starts
-        for stage, process in processors:
-            if stage == "train" and not ctx.obj.get("resume"):
+        for i, (stage, process) in enumerate(processors):
+            if i == 0 and creates:
                 # Rank 0 makes the run folder; every rank then works on the same run.
                 name = artifacts.create_run(artifacts_dir, run_name).name if world.is_main else None
                 run = artifacts.Run(Path(artifacts_dir), distributed.broadcast(name))
                 if world.is_main:
                     click.echo(f"run {run.name}: {run.root}", err=True)
-            if stage != "train" and not world.is_main:
+            if stage not in ("train", "qat") and not world.is_main:
                 continue  # quantize and report are single-process work for rank 0
             _run_stage(run, stage, process, world.is_main)
     finally:
         distributed.teardown()
+
+
+def _cap_isa_before_any_kernel(ctx: click.Context, processors: list[Processor]) -> None:
+    """bf16 training on an AMX CPU needs oneDNN capped below AMX before its first kernel
+    (stages/precision.py says why); this is the last moment before any runs."""
+    if not any(stage in ("train", "qat") for stage, _ in processors):
+        return
+    from stages.precision import cap_isa_for_bf16_training
+
+    precision = ctx.obj.get("train_precision") or "auto"
+    if ctx.obj.get("resume"):  # the precision the run was started with
+        from stages.artifacts import open_run
+
+        chosen = ctx.obj["chosen"]
+        try:
+            run = open_run(chosen.get("artifacts_dir", Path("artifacts")), chosen.get("run_name"))
+            precision = run.recorded_config("train").get("resolved_precision", precision)
+        except Exception:  # a missing run is reported by run_chain, with its own message
+            pass
+    capped = cap_isa_for_bf16_training(precision, ctx.obj["device"])
+    if capped:
+        click.echo(f"bf16 training on a CPU with AMX: oneDNN capped at {capped} for this "
+                   "process (AMX bf16 kernels of this torch give wrong results)", err=True)
 
 
 def _run_stage(run, stage: str, process: Callable, writes: bool) -> None:
@@ -177,36 +208,65 @@ def _run_stage(run, stage: str, process: Callable, writes: bool) -> None:
         run.mark_stage(stage, "complete")
 
 
+def _data_options(command):
+    """Where the data comes from: the same flags for train and import."""
+    for option in reversed([
+        click.option("--model", help="A built-in (smallcnn, mixer), any torchvision "
+                     "classification model, timm:NAME, or package.module:factory for your "
+                     "own.  [default: resnet18]"),
+        click.option("--dataset", type=click.Choice(cfg.DATASET_NAMES),
+                     help="[default: digits, built in]"),
+        click.option("--data-dir", type=click.Path(file_okay=False),
+                     help="Where torchvision data sets or your image folder live.  "
+                          "[default: data]"),
+        click.option("--download/--no-download", default=None,
+                     help="Let torchvision fetch the data set where the network allows."),
+        click.option("--val-fraction", type=float, help="Share of the training split held out "
+                     "to choose with (best epoch, --auto, the recommendation).  [default: 0.1]"),
+        click.option("--image-size", type=int, help="Side of the square input in pixels.  "
+                     "[default: 32]"),
+        click.option("--in-channels", type=click.Choice(["1", "3"]),
+                     help="Input channels of the model; grey images are widened to 3 if asked."),
+        click.option("--skip-bad-images", is_flag=True, default=None,
+                     help="Skip unreadable files in an image folder (counted) instead of "
+                          "stopping."),
+    ]):
+        command = option(command)
+    return command
+
+
+def _common(ctx: click.Context, flags: dict, *keys: str) -> dict:
+    flags |= {key: ctx.obj[key] for key in keys}
+    if flags.get("in_channels") is not None:
+        flags["in_channels"] = int(flags["in_channels"])
+    return flags
+
+
 @cli.command(context_settings=CONTEXT)
 @click.option("--resume", is_flag=True, help="Continue the latest run (or --run NAME) from its "
               "newest good checkpoint, with the configuration it was started with.")
-@click.option("--model", help="smallcnn or any torchvision classification model.  [default: resnet18]")
-@click.option("--dataset", type=click.Choice(cfg.DATASET_NAMES), help="[default: digits, built in]")
-@click.option("--data-dir", type=click.Path(file_okay=False),
-              help="Where torchvision data sets or your image folder live.  [default: data]")
-@click.option("--download/--no-download", default=None,
-              help="Let torchvision fetch the data set where the network allows.")
-@click.option("--val-fraction", type=float, help="Share of the training split held out to pick "
-              "the best epoch.  [default: 0.1]")
-@click.option("--image-size", type=int, help="Side of the square input in pixels.  [default: 32]")
-@click.option("--in-channels", type=click.Choice(["1", "3"]),
-              help="Input channels of the model; grey images are widened to 3 if asked.")
+@_data_options
 @click.option("--epochs", type=int, help="[default: 10]")
 @click.option("--batch-size", type=int, help="[default: 64]")
-@click.option("--lr", type=float, help="Peak learning rate of SGD (cosine, warm-up).  [default: 0.05]")
+@click.option("--lr", type=float, help="Peak learning rate of SGD (cosine, warm-up).  "
+              "[default: 0.05]")
 @click.option("--weight-decay", type=float, help="[default: 5e-4]")
 @click.option("--label-smoothing", type=float, help="[default: 0]")
 @click.option("--grad-clip", type=float, help="Max gradient norm, 0 for none (clips after "
               "unscaling).  [default: 0]")
 @click.option("--precision", type=click.Choice(cfg.PRECISIONS),
-              help="Autocast type of the amp model; auto: fp16+GradScaler on CUDA, bf16 on CPU.")
+              help="Autocast type of the amp model; auto: fp16 with GradScaler on CUDA, bf16 on "
+                   "a CPU.")
 @click.option("--baseline/--no-baseline", default=None, help="Also train the fp32 baseline.  "
               "[default: baseline]")
+@click.option("--init-weights", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Start from this state_dict or checkpoint (weights-only); a classifier for "
+                   "another number of classes is replaced.")
+@click.option("--weights", metavar="NAME", help="Start from torchvision's pretrained weights "
+              "(DEFAULT, IMAGENET1K_V1, ...), read from the local torch hub cache.")
 @click.option("--workers", type=int, help="DataLoader worker processes.  [default: 0]")
 @click.option("--loader-timeout", type=float, metavar="SECONDS",
               help="Give up on a DataLoader worker silent this long.  [default: 300]")
-@click.option("--skip-bad-images", is_flag=True, default=None,
-              help="Skip unreadable files in an image folder (counted) instead of stopping.")
 @click.option("--checkpoint-every", type=int, metavar="STEPS",
               help="Also checkpoint every STEPS optimizer steps.  [default: 0, epochs only]")
 @click.option("--keep-checkpoints", type=int, help="Newest checkpoints kept (plus the best).  "
@@ -226,10 +286,9 @@ def train(ctx: click.Context, resume: bool, **flags) -> Processor:
             raise click.UsageError(f"--resume continues with the run's saved configuration; "
                                    f"drop {', '.join(given)}")
     ctx.obj["resume"] = resume
-    if flags.get("in_channels") is not None:
-        flags["in_channels"] = int(flags["in_channels"])
-    flags |= {"seed": ctx.obj["seed"], "device": ctx.obj["device"], "quiet": ctx.obj["quiet"]}
+    flags = _common(ctx, flags, "seed", "device", "quiet")
     config = None if resume else _build(ctx, "train", flags)
+    ctx.obj["train_precision"] = config.precision if config else None
 
     def process(run) -> None:
         from stages import train as train_stage
@@ -245,15 +304,61 @@ def train(ctx: click.Context, resume: bool, **flags) -> Processor:
 
 def _saved_train_config(ctx: click.Context, run) -> "cfg.TrainConfig":
     """The configuration a run was started with, for --resume; quiet and device are today's."""
-    import json
-
-    try:
-        saved = json.loads((run.root / "config.json").read_text())["train"]
-    except (OSError, KeyError, json.JSONDecodeError):
+    saved = run.recorded_config("train")
+    if not saved:
         raise click.UsageError(f"run {run.name!r} has no saved training configuration to resume")
     fields = {f for f in cfg.TrainConfig.__dataclass_fields__}
     values = {k: v for k, v in saved.items() if k in fields}
     return cfg.TrainConfig(**values | {"quiet": ctx.obj["quiet"], "device": ctx.obj["device"]})
+
+
+@cli.command("import", context_settings=CONTEXT)
+@_data_options
+@click.option("--weights", metavar="FILE|NAME", help="The weights to import: a state_dict or "
+              "checkpoint file (weights-only), or torchvision's pretrained weights by name.")
+@_run_options
+@click.pass_context
+def import_(ctx: click.Context, **flags) -> Processor:
+    """Register a model trained elsewhere as the run's `fp32` model, to quantize and report."""
+    _take_run_options(ctx, flags)
+    config = _build(ctx, "import", _common(ctx, flags, "seed", "quiet"))
+
+    def process(run) -> None:
+        from stages import import_model
+
+        import_model.run(config, run)
+        click.echo(f"fp32: {run.root / run.entry('fp32')['path']}")
+
+    return "import", process
+
+
+@cli.command(context_settings=CONTEXT)
+@click.option("--epochs", type=int, help="Epochs of fine-tuning.  [default: 3]")
+@click.option("--lr", type=float, help="Peak learning rate.  [default: 0.005]")
+@click.option("--batch-size", type=int, help="[default: 64]")
+@click.option("--freeze-bn-after", type=int, metavar="EPOCHS",
+              help="BatchNorm statistics stop updating after this many epochs.  [default: 1]")
+@click.option("--freeze-observers-after", type=int, metavar="EPOCHS",
+              help="Quantization ranges stop updating after this many epochs.  [default: 2]")
+@click.option("--precision", type=click.Choice(cfg.PRECISIONS),
+              help="Autocast type of the fine-tuning; auto: the float model's own.")
+@click.option("--max-accuracy-drop", type=float, metavar="POINTS",
+              help="Validation accuracy torch-qat may lose against its float source.  "
+                   "[default: 1.0]")
+@_run_options
+@click.pass_context
+def qat(ctx: click.Context, **flags) -> Processor:
+    """Fine-tune the float model with fake quantization: `torch-qat` and `ort-qat`."""
+    _take_run_options(ctx, flags)
+    config = _build(ctx, "qat", _common(ctx, flags, "seed", "device", "quiet"))
+
+    def process(run) -> None:
+        from stages import qat as qat_stage
+
+        for variant in qat_stage.run(config, run):
+            click.echo(f"{variant}: {run.root / run.entry(variant)['path']}")
+
+    return "qat", process
 
 
 @cli.command(context_settings=CONTEXT)
@@ -262,10 +367,9 @@ def _saved_train_config(ctx: click.Context, run) -> "cfg.TrainConfig":
 @click.option("--calibration-samples", type=int,
               help="Training images static quantization observes.  [default: 512]")
 @click.option("--calibration-method", type=click.Choice(cfg.CALIBRATION_METHODS),
-              help="ORT: as named; PyTorch: minmax observer, or histogram for entropy and "
-                   "percentile.  [default: minmax for ORT, histogram for PyTorch]")
+              help="ONNX Runtime static calibration.  [default: minmax]")
 @click.option("--per-channel/--per-tensor", default=None,
-              help="Weight scales.  [default: per-tensor for ORT, per-channel for PyTorch]")
+              help="ONNX Runtime static weight scales.  [default: per-tensor]")
 @click.option("--ort-types", type=click.Choice(cfg.ORT_TYPES),
               help="ORT activation/weight types.  [default: u8s8]")
 @click.option("--ort-format", type=click.Choice(cfg.ORT_FORMATS),
@@ -279,9 +383,9 @@ def _saved_train_config(ctx: click.Context, run) -> "cfg.TrainConfig":
 @_run_options
 @click.pass_context
 def quantize(ctx: click.Context, **flags) -> Processor:
-    """Quantize the run's `amp` model: PyTorch dynamic/static int8, ONNX, ORT dynamic/static."""
+    """Make the deployable variants of the run's float model (PyTorch, ONNX Runtime, OpenVINO)."""
     _take_run_options(ctx, flags)
-    flags |= {"seed": ctx.obj["seed"], "quiet": ctx.obj["quiet"]}
+    flags = _common(ctx, flags, "seed", "quiet")
     if flags.get("per_channel") is not None:
         flags["per_channel"] = bool(flags["per_channel"])
     config = _build(ctx, "quantize", flags)
@@ -297,12 +401,15 @@ def quantize(ctx: click.Context, **flags) -> Processor:
 
 @cli.command(context_settings=CONTEXT)
 @click.option("--batch-sizes", help="Comma list of batch sizes to time.  [default: 1,32]")
-@click.option("--threads", type=int, help="Threads for PyTorch and ONNX Runtime alike; 0: the "
-              "machine's cores, at most 8.  [default: 0]")
-@click.option("--repeats", type=int, help="Timed calls per variant and batch size.  [default: 30]")
-@click.option("--warmup", type=int, help="Untimed calls first.  [default: 5]")
-@click.option("--max-accuracy-drop", type=float,
-              help="Points of test accuracy the recommended variant may lose.  [default: 1.0]")
+@click.option("--threads", type=int, help="Threads for every runtime alike; 0: the machine's "
+              "cores, at most 8.  [default: 0]")
+@click.option("--rounds", type=int, help="Rounds of timing; every variant is timed in each, the "
+              "order rotated.  [default: 8]")
+@click.option("--repeats", type=int, help="Timed calls per variant in each round.  [default: 4]")
+@click.option("--warmup", type=int, help="Untimed calls first.  [default: 3]")
+@click.option("--max-accuracy-drop", type=float, metavar="POINTS",
+              help="Validation accuracy the recommended variant may lose against fp32.  "
+                   "[default: 1.0]")
 @click.option("--fail-under-speedup", type=float, metavar="X",
               help="Exit 1 when the recommended variant is less than X times faster than fp32.")
 @click.option("--compare", multiple=True, metavar="RUN[,RUN...]",

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stages.runtimes import made_by_quantize
+
 DATASET_NAMES = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder")
 PRECISIONS = ("auto", "fp16", "bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
-# `onnx` writes the `onnx-fp32` variant; the ORT methods quantize that file.
-QUANT_METHODS = ("torch-dynamic", "torch-static", "onnx", "ort-dynamic", "ort-static")
+# The variants quantize makes, in the order it makes them (the registry imports no torch).
+QUANT_METHODS = tuple(made_by_quantize())
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
 ORT_TYPES = ("u8s8", "s8s8")
 ORT_FORMATS = ("qdq", "qoperator")
@@ -99,6 +101,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     max_skipped_steps: int = 25
     deterministic: bool = False
+    init_weights: str | None = None  # a state_dict or checkpoint file to start from
+    weights: str | None = None  # torchvision's pretrained weights by name, from the local cache
     seed: int = 0
     device: str = "auto"
     quiet: bool = False
@@ -106,6 +110,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         _choice("--dataset", self.dataset, DATASET_NAMES)
+        if self.init_weights and self.weights:
+            raise ValueError("--init-weights and --weights both name starting weights; give one")
+        if self.init_weights and not Path(self.init_weights).expanduser().is_file():
+            raise ValueError(f"--init-weights {self.init_weights!r} is not a file")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
         if self.in_channels is not None:
@@ -127,11 +135,69 @@ class TrainConfig:
         _at_least("--grad-clip", self.grad_clip, 0.0)
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
-        from stages.models import known_models
+        from stages.models import check_model_name
 
-        known = known_models()
-        if self.model not in known:
-            raise ValueError(f"--model {self.model!r} is not one of: {', '.join(known)}")
+        check_model_name(self.model)
+
+
+@dataclass
+class ImportConfig:
+    """A model trained elsewhere, and the data it is to be measured on."""
+
+    model: str = "resnet18"
+    weights: str = ""  # a state_dict/checkpoint file, or torchvision's weights name (cached)
+    dataset: str = "digits"
+    data_dir: str = "data"
+    download: bool = False
+    val_fraction: float = 0.1
+    image_size: int = 32
+    in_channels: int | None = None
+    skip_bad_images: bool = False
+    seed: int = 0
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        if not self.weights:
+            raise ValueError("--weights is required: the file (or torchvision weights name) to "
+                             "import")
+        _choice("--dataset", self.dataset, DATASET_NAMES)
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
+        if self.in_channels is not None:
+            _choice("--in-channels", self.in_channels, (1, 3))
+        _at_least("--image-size", self.image_size, 8)
+        from stages.models import check_model_name
+
+        check_model_name(self.model)
+
+
+@dataclass
+class QatConfig:
+    """Quantization-aware fine-tuning of the run's float model (torchao PT2E QAT)."""
+
+    epochs: int = 3
+    lr: float = 0.005  # a tenth of training's peak: fine-tuning, not training again
+    batch_size: int = 64
+    freeze_bn_after: int = 1  # epochs; then BatchNorm uses its running statistics
+    freeze_observers_after: int = 2  # epochs; then the quantization ranges stay fixed
+    precision: str = "auto"  # autocast of the fine-tuning; auto: as the model was trained
+    max_accuracy_drop: float = 1.0
+    seed: int = 0
+    device: str = "auto"
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _at_least("--epochs", self.epochs, 1)
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be greater than 0, got {self.lr}")
+        _at_least("--batch-size", self.batch_size, 1)
+        _at_least("--freeze-bn-after", self.freeze_bn_after, 0)
+        _at_least("--freeze-observers-after", self.freeze_observers_after, 0)
+        _choice("--precision", self.precision, PRECISIONS)
+        _choice("--device", self.device, DEVICES)
+        _at_least("--max-accuracy-drop", self.max_accuracy_drop, 0.0)
 
 
 @dataclass
@@ -167,7 +233,8 @@ class QuantizeConfig:
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
-    """'all' or a comma list, in the canonical order (the ORT methods need `onnx` first)."""
+    """'all' or a comma list of variants, in the order they are made (a variant's source, such
+    as onnx-fp32 for ort-static, is made first where the run lacks it)."""
     names = [part.strip() for part in text.split(",") if part.strip()]
     for name in names:
         _choice("--methods", name, QUANT_METHODS + ("all",))
@@ -180,9 +247,9 @@ def parse_methods(text: str) -> tuple[str, ...]:
 class ReportConfig:
     batch_sizes: tuple[int, ...] = (1, 32)
     threads: int = 0  # 0: as many as the machine has cores, capped at 8
-    warmup: int = 5
-    repeats: int = 30
-    max_seconds_per_measurement: float = 10.0
+    warmup: int = 3
+    rounds: int = 8  # every variant is timed in each round, the order rotated between rounds
+    repeats: int = 4  # timed calls per variant in each round
     max_accuracy_drop: float = 1.0
     fail_under_speedup: float = 0.0  # 0: never fail
     compare: tuple[str, ...] = ()
@@ -202,10 +269,12 @@ class ReportConfig:
         for size in self.batch_sizes:
             _at_least("--batch-sizes", size, 1)
         _at_least("--threads", self.threads, 0)
-        _at_least("--warmup", self.warmup, 0)
-        _at_least("--repeats", self.repeats, 3)
-        if not self.max_seconds_per_measurement > 0:
-            raise ValueError("--max-seconds must be greater than 0")
+        _at_least("--warmup", self.warmup, 1)  # compiled variants build their graph there
+        _at_least("--rounds", self.rounds, 3)
+        _at_least("--repeats", self.repeats, 1)
+        if self.rounds * self.repeats < 20:  # a p90 needs calls to stand on
+            raise ValueError(f"--rounds x --repeats must give at least 20 timed calls, got "
+                             f"{self.rounds} x {self.repeats}")
         _at_least("--max-accuracy-drop", self.max_accuracy_drop, 0.0)
         _at_least("--fail-under-speedup", self.fail_under_speedup, 0.0)
 
@@ -217,11 +286,12 @@ def parse_int_list(flag: str, text: str) -> tuple[int, ...]:
         raise ValueError(f"{flag} takes whole numbers separated by commas, got {text!r}") from None
 
 
-STAGE_CONFIGS = {"train": TrainConfig, "quantize": QuantizeConfig, "report": ReportConfig}
+STAGE_CONFIGS = {"train": TrainConfig, "import": ImportConfig, "qat": QatConfig,
+                 "quantize": QuantizeConfig, "report": ReportConfig}
 
 
 def read_config_file(path: Path) -> dict[str, dict]:
-    """The [train], [quantize] and [report] tables of a TOML file, with unknown keys refused."""
+    """The stage tables ([train], [quantize], ...) of a TOML file, unknown keys refused."""
     try:
         data = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:

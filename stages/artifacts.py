@@ -375,6 +375,13 @@ class Run:
         data[stage] = config
         atomic_write_json(path, data)
 
+    def recorded_config(self, stage: str) -> dict:
+        """The configuration a stage last ran with ({} if it never ran)."""
+        try:
+            return json.loads((self.root / "config.json").read_text()).get(stage, {})
+        except (OSError, json.JSONDecodeError):
+            return {}
+
 
 def _overwrite_in_place(path: Path, text: str) -> bool:
     """Write ``text`` over the existing bytes of ``path``, padded to its length; False if it

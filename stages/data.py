@@ -264,8 +264,47 @@ def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
                       skipped_images=skipped)
 
 
+# Classes and channels of each data set, known before it is read (an image folder's classes
+# are counted when it is read); and how many images it holds in memory at the model's size.
+SHAPES = {"digits": (10, 1), "mnist": (10, 1), "fashion-mnist": (10, 1), "cifar10": (10, 3),
+          "cifar100": (100, 3), "imagefolder": (10, 3)}
+IN_MEMORY_IMAGES = {"digits": 1797}
+
+
+def expected_shape(config) -> tuple[int, int, int]:
+    """(classes, channels, bytes held in memory) a training config's data will have."""
+    classes, channels = SHAPES[config.dataset]
+    channels = getattr(config, "in_channels", None) or channels
+    held = IN_MEMORY_IMAGES.get(config.dataset, 0) * channels * config.image_size ** 2 * 4
+    return classes, channels, held
+
+
 def load_dataset(name: str, image_size: int, seed: int, **options: object) -> DataSplits:
     return lookup(DATASETS, name, "dataset")(image_size=image_size, seed=seed, **options)
+
+
+def load_splits(config) -> DataSplits:
+    """The splits a training config names (a saved config from an older run may lack keys)."""
+    option = lambda name, default: getattr(config, name, default)  # noqa: E731
+    try:
+        return load_dataset(config.dataset, image_size=config.image_size, seed=config.seed,
+                            data_dir=option("data_dir", "data"), download=option("download", False),
+                            val_fraction=option("val_fraction", 0.1),
+                            in_channels=option("in_channels", None),
+                            skip_bad_images=option("skip_bad_images", False))
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+
+
+def splits_of_run(run) -> DataSplits:
+    """The data a run was trained on, rebuilt from the training config in its manifest."""
+    from types import SimpleNamespace
+
+    artifacts = run.artifacts()
+    trained = next((artifacts[n] for n in ("amp", "fp32") if n in artifacts), None)
+    if trained is None:
+        raise PipelineError(f"run {run.name!r} has no trained model; run 'pipeline train' first")
+    return load_splits(SimpleNamespace(**trained["config"]))
 
 
 # ---------------------------------------------------------------- loading
@@ -342,17 +381,32 @@ def _calibration_order(splits: DataSplits, seed: int) -> list[int]:
     return torch.randperm(len(splits.calibration), generator=generator).tolist()
 
 
-def tuning_images(splits: DataSplits, calibration_samples: int, seed: int, limit: int = 1024):
-    """(images, labels) to score quantized models on: the validation split plus training images
-    that calibration did not see. Never test images. Quantization damage is a difference
-    between two models on the same images, so training images serve, and make the slice large
-    enough that one flipped image does not decide the budget."""
+SELECTION_IMAGES = 1024
+
+
+def selection_set(splits: DataSplits, calibration_samples: int, seed: int,
+                  limit: int = SELECTION_IMAGES):
+    """The images every choice is made on (--auto, the recommendation): the validation split
+    plus training images that calibration did not see, at most ``limit``. Never test images.
+    Quantization damage is a difference between two models on the same images, so training
+    images serve, and make the set large enough that one flipped image does not decide.
+    Only the chosen images are ever decoded (a large training split is not read whole)."""
     import torch
 
-    unseen = _calibration_order(splits, seed)[calibration_samples:]
-    parts = [splits.val, torch.utils.data.Subset(splits.calibration, unseen)]
-    images, labels = zip(*batches(torch.utils.data.ConcatDataset(parts)))
-    return torch.cat(images)[:limit], torch.cat(labels)[:limit]
+    from_val = min(len(splits.val), limit)
+    unseen = _calibration_order(splits, seed)[calibration_samples:][:limit - from_val]
+    parts = [torch.utils.data.Subset(splits.val, range(from_val)),
+             torch.utils.data.Subset(splits.calibration, unseen)]
+    return torch.utils.data.ConcatDataset(parts)
+
+
+def tuning_images(splits: DataSplits, calibration_samples: int, seed: int,
+                  limit: int = SELECTION_IMAGES):
+    """(images, labels) of ``selection_set`` as two tensors."""
+    import torch
+
+    images, labels = zip(*batches(selection_set(splits, calibration_samples, seed, limit)))
+    return torch.cat(images), torch.cat(labels)
 
 
 def check_calibration(batches: list, shape: tuple[int, int, int]) -> None:

@@ -76,15 +76,23 @@ def all_gather(value: Any) -> list[Any]:
     return gathered
 
 
-def sum_over_ranks(values: list[float], device) -> list[float]:
+def reduce_health(values) -> list[float]:
+    """The training loop's device sums over every rank, read by the host once: loss, correct,
+    seen and skipped are summed, the longest run of skipped steps is the largest, and the
+    first step whose loss was not finite is the earliest on any rank (-1: none)."""
     import torch
     import torch.distributed as dist
 
-    if not current().active:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
+    if current().active:
+        none = float(2 ** 62)
+        sums, longest, first_bad = values[:4].clone(), values[4:5].clone(), values[5:6].clone()
+        first_bad = torch.where(first_bad < 0, none, first_bad)
+        dist.all_reduce(sums)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
+        first_bad = torch.where(first_bad >= none, -1.0, first_bad)
+        values = torch.cat([sums, longest, first_bad])
+    return values.tolist()
 
 
 def sync_buffers(model) -> None:

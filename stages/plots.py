@@ -1,76 +1,130 @@
-"""The report's figures as PNG files (matplotlib, Agg backend: no display needed)."""
+"""The report's figures as PNG files (matplotlib, Agg backend: no display needed).
+
+Variants are told apart by a legend keyed by colour and marker rather than by labels beside
+the points: labels of variants of the same size and speed print over each other.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
 from stages.artifacts import atomic_path
 
+RUNTIME_COLOURS = {"pytorch": "tab:blue", "onnx": "tab:orange", "openvino": "tab:green"}
+MARKERS = "osD^vP*Xhp<>"
 
-def _figure(width: float = 7.0, height: float = 4.5, ncols: int = 1):
+
+def _figure(width: float, height: float, ncols: int = 1):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, ncols, figsize=(width, height), dpi=110)
-    return plt, fig, axes
+    fig, axes = plt.subplots(1, ncols, figsize=(width, height), dpi=110, squeeze=False)
+    return plt, fig, list(axes[0])
 
 
 def _save(plt, fig, path: Path) -> None:
-    fig.tight_layout()
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
+        fig.savefig(tmp, format="png", bbox_inches="tight")
     plt.close(fig)
 
 
-def latency_vs_size(rows: list[dict], batch: str, path: Path) -> None:
-    """Each variant as a point: shipped size against p50 latency, labelled with its accuracy."""
-    plt, fig, ax = _figure()
-    for row in rows:
-        x, y = row["size_bytes"] / 1e6, row["latency_ms"][batch]["p50"]
-        ax.scatter(x, y, s=60)
-        ax.annotate(f"{row['name']} ({row['accuracy']:.1%})", (x, y), textcoords="offset points",
-                    xytext=(6, 4), fontsize=8)
-    ax.set_xlabel("shipped size (MB)")
-    ax.set_ylabel(f"p50 latency at batch {batch} (ms, log scale)")
-    ax.set_yscale("log")
-    ax.set_title("Latency against size (label: test accuracy)")
-    ax.grid(True, alpha=0.3)
+def pareto_front(points: list[tuple[float, float, str]]) -> list[str]:
+    """Names of the points no other point beats on both coordinates (lower is better)."""
+    front = []
+    for x, y, name in points:
+        beaten = any((ox <= x and oy <= y) and (ox < x or oy < y) for ox, oy, _ in points)
+        if not beaten:
+            front.append(name)
+    return front
+
+
+def _style(rows: list[dict]) -> dict[str, dict]:
+    """A colour per runtime, a marker per variant, filled for float and hollow for int8."""
+    styles = {}
+    for i, row in enumerate(rows):
+        colour = RUNTIME_COLOURS.get(row["format"], "tab:gray")
+        styles[row["name"]] = {"color": colour, "marker": MARKERS[i % len(MARKERS)],
+                               "facecolors": "none" if row["int8"] else colour}
+    return styles
+
+
+def latency_vs_size(rows: list[dict], path: Path) -> None:
+    """One panel per batch size: shipped size against p50 latency, the Pareto front drawn."""
+    sizes = list(rows[0]["latency_ms"])
+    plt, fig, axes = _figure(5.2 * len(sizes) + 2.6, 4.6, ncols=len(sizes))
+    styles = _style(rows)
+    for ax, size in zip(axes, sizes):
+        points = [(r["size_bytes"] / 1e6, r["latency_ms"][size]["p50"], r["name"]) for r in rows]
+        front = sorted((p for p in points if p[2] in pareto_front(points)), key=lambda p: p[0])
+        ax.plot([p[0] for p in front], [p[1] for p in front], color="black", linewidth=0.8,
+                linestyle="--", zorder=1, label="Pareto front (nothing is smaller and faster)")
+        for row in rows:
+            style = styles[row["name"]]
+            ax.scatter(row["size_bytes"] / 1e6, row["latency_ms"][size]["p50"], s=70,
+                       marker=style["marker"], edgecolors=style["color"],
+                       facecolors=style["facecolors"], linewidths=1.5, zorder=2,
+                       label=f"{row['name']} ({row['accuracy']:.1%})")
+        ax.set_xlabel("shipped size (MB)")
+        ax.set_ylabel("p50 latency (ms, log scale)")
+        ax.set_yscale("log")
+        ax.set_title(f"batch {size}")
+        ax.grid(True, alpha=0.3, which="both")
+    handles, labels = axes[-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
+               title="variant (test accuracy); hollow: int8", title_fontsize=8, frameon=False)
+    fig.suptitle("Latency against size")
+    fig.tight_layout()
     _save(plt, fig, path)
 
 
-def speedup_and_size(rows: list[dict], reference: str, batch: str, path: Path) -> None:
-    """Bars of speed-up and size ratio against the reference: above 1 faster, below 1 smaller."""
+def speedup_and_size(rows: list[dict], reference: str, path: Path) -> None:
+    """Speed-up against the fastest float variant at each batch size, with its interval, and
+    size against the reference: right of 1 is faster, left of 1 is smaller."""
+    sizes = list(rows[0]["latency_ms"])
     ref = next(r for r in rows if r["name"] == reference)
     names = [r["name"] for r in rows]
-    speedups = [ref["latency_ms"][batch]["p50"] / r["latency_ms"][batch]["p50"] for r in rows]
-    sizes = [r["size_bytes"] / ref["size_bytes"] for r in rows]
-    plt, fig, (left, right) = _figure(width=10, height=4, ncols=2)
-    for ax, values, title in ((left, speedups, f"speed-up vs {reference} at batch {batch}"),
-                              (right, sizes, f"size vs {reference}")):
-        better = (lambda v: v > 1.05) if ax is left else (lambda v: v < 0.95)
-        worse = (lambda v: v < 0.95) if ax is left else (lambda v: v > 1.05)
-        colors = ["tab:green" if better(v) else "tab:red" if worse(v) else "tab:gray"
-                  for v in values]
-        ax.barh(names, values, color=colors)
+    plt, fig, axes = _figure(4.2 * (len(sizes) + 1), 0.35 * len(rows) + 1.8,
+                             ncols=len(sizes) + 1)
+    for ax, size in zip(axes, sizes):
+        ratios = [r["speedup_vs_best_float"][size] for r in rows]
+        values = [x["ratio"] for x in ratios]
+        errors = [[x["ratio"] - x["low"] for x in ratios], [x["high"] - x["ratio"] for x in ratios]]
+        colours = ["tab:green" if x["low"] > 1 else "tab:red" if x["high"] < 1 else "tab:gray"
+                   for x in ratios]
+        ax.barh(names, values, xerr=errors, color=colours, capsize=2)
         ax.axvline(1.0, color="black", linewidth=0.8)
         for i, v in enumerate(values):
-            ax.text(v, i, f" {v:.2f}x", va="center", fontsize=8)
-        ax.set_title(title)
+            ax.text(v, i, f" {v:.2f}x", va="center", fontsize=7)
+        ax.set_title(f"speed-up vs fastest float, batch {size}", fontsize=9)
         ax.invert_yaxis()
+    sizes_ratio = [r["size_bytes"] / ref["size_bytes"] for r in rows]
+    ax = axes[-1]
+    ax.barh(names, sizes_ratio, color=["tab:green" if v < 0.95 else "tab:gray"
+                                       for v in sizes_ratio])
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    for i, v in enumerate(sizes_ratio):
+        ax.text(v, i, f" {v:.2f}x", va="center", fontsize=7)
+    ax.set_title(f"size vs {reference}", fontsize=9)
+    ax.invert_yaxis()
+    fig.tight_layout()
     _save(plt, fig, path)
 
 
 def training_curves(histories: dict[str, list[dict]], path: Path) -> None:
-    """Loss and validation accuracy per epoch for each trained model (fp32 against amp)."""
-    plt, fig, (loss_ax, acc_ax) = _figure(width=10, height=4, ncols=2)
+    """Loss, and training and validation accuracy, per epoch for each trained model."""
+    plt, fig, (loss_ax, acc_ax) = _figure(10, 4, ncols=2)
     for name, history in histories.items():
         epochs = [h["epoch"] for h in history]
-        loss_ax.plot(epochs, [h["loss"] for h in history], marker="o", label=name)
-        acc_ax.plot(epochs, [h["val_accuracy"] for h in history], marker="o", label=name)
+        line = loss_ax.plot(epochs, [h["loss"] for h in history], marker="o", label=name)[0]
+        acc_ax.plot(epochs, [h["val_accuracy"] for h in history], marker="o",
+                    color=line.get_color(), label=f"{name} validation")
+        acc_ax.plot(epochs, [h["train_accuracy"] for h in history], linestyle=":",
+                    color=line.get_color(), label=f"{name} training")
     loss_ax.set(title="training loss", xlabel="epoch", yscale="log")
-    acc_ax.set(title="validation accuracy", xlabel="epoch")
+    acc_ax.set(title="accuracy", xlabel="epoch")
     for ax in (loss_ax, acc_ax):
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
+    fig.tight_layout()
     _save(plt, fig, path)

@@ -1,8 +1,18 @@
-"""Device and precision policy: what autocast dtype and whether a GradScaler, per device."""
+"""Device and precision policy: what autocast dtype and whether a GradScaler, per device, and
+the CPU instruction set that bf16 training may use."""
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
+
+# oneDNN 3.12 (torch 2.14) has AMX bf16 convolution bugs that give silently wrong results
+# (oneDNN PR #5494: stride larger than the kernel, as in ResNet's 1x1 stride-2 shortcuts at
+# small sizes; pytorch#169688): bf16 training of resnet18 went NaN at a different step in each
+# run on a Xeon with AMX and was finite and bit-identical with AMX capped. oneDNN reads the cap
+# once, before its first primitive, so it is set for the whole process.
+AMX_SAFE_ISA = "AVX512_CORE_BF16"
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -33,11 +43,48 @@ def resolve_device(device: str):
     return torch.device(device)
 
 
+NATIVE_BF16 = ("avx512_bf16", "amx_bf16")
+
+
 def resolve_precision(precision: str, device) -> Precision:
-    """auto: float16 with GradScaler on CUDA (tensor cores), bfloat16 on CPU (no scaler needed)."""
-    if precision == "auto":
-        return Precision("fp16" if device.type == "cuda" else "bf16")
-    return Precision(precision)
+    """auto: float16 with GradScaler on CUDA (tensor cores); on a CPU, bfloat16 where the CPU
+    has bf16 instructions (AVX-512 BF16, AMX), else float32: elsewhere bf16 is emulated, and
+    resnet18 on the digits trained about 5x slower in it than in fp32 on the AMD EPYC here."""
+    if precision != "auto":
+        return Precision(precision)
+    if device.type == "cuda":
+        return Precision("fp16")
+    from stages.bench import cpu_info
+
+    return Precision("bf16" if set(NATIVE_BF16) & set(cpu_info()["flags"]) else "fp32")
+
+
+def auto_precision_note(precision: Precision, asked: str, device) -> str | None:
+    """What a user is told when auto did not pick mixed precision."""
+    if asked == "auto" and device.type == "cpu" and precision.name == "fp32":
+        return ("--precision auto: this CPU has no bf16 instructions (AVX-512 BF16 or AMX), "
+                "where bf16 is emulated and slower than fp32, so `amp` trains in fp32 here; "
+                "--precision bf16 trains in bf16 anyway")
+    return None
+
+
+def cap_isa_for_bf16_training(precision: str, device: str) -> str | None:
+    """Cap oneDNN below AMX when this process will train in bf16 on a CPU that has AMX and the
+    user has not chosen a cap; returns the cap set, if any. Must run before oneDNN's first
+    primitive (any convolution) to take effect."""
+    from stages.bench import cpu_info
+
+    if "amx_bf16" not in cpu_info()["flags"] or "ONEDNN_MAX_CPU_ISA" in os.environ:
+        return None
+    if device == "cuda" or precision in ("fp16", "fp32"):
+        return None
+    if device == "auto":
+        import torch
+
+        if torch.cuda.is_available():  # training goes to the GPU
+            return None
+    os.environ["ONEDNN_MAX_CPU_ISA"] = AMX_SAFE_ISA
+    return AMX_SAFE_ISA
 
 
 def autocast(precision: Precision, device):
@@ -61,3 +108,15 @@ def seed_everything(seed: int) -> None:
 
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+def set_deterministic(enabled: bool, device) -> None:
+    """torch.use_deterministic_algorithms, with what CUDA needs beside it: cuDNN's benchmark
+    off, and a fixed cuBLAS workspace (torch 2.14 no longer insists, older releases do, and
+    it must be set before the first cuBLAS call)."""
+    import torch
+
+    if enabled and device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(enabled)

@@ -2,33 +2,43 @@
 
 Both see the same seed, initial weights, data order and hyperparameters, so the only difference
 between them is the precision of the forward and backward pass. Both save fp32 master weights:
-AMP changes how a model trains, not what it weighs on disk.
+AMP changes how a model trains, not what it weighs on disk. model.pt holds the weights of the
+epoch with the best validation accuracy, the one every later stage starts from.
 
-A checkpoint holds everything the loop needs to continue exactly where it stopped (weights,
-optimizer, LR schedule, scaler, RNG states, epoch and position in the epoch, the epoch's running
-sums), so a resumed run on CPU ends bit-identical to one that was never interrupted.
+The loop keeps its running sums on the device and reads them only at check points (every step
+on the CPU, where reading is free; every LOG_EVERY_CUDA steps on a GPU), so that a GPU is not
+made to wait for the host after each step.
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
-import random
+import os
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from stages import distributed
-from stages.artifacts import (Run, atomic_torch_save, atomic_write_text, load_checkpoint,
-                              remove_stale_temporaries)
-from stages.data import DataSplits, EpochSampler, batches, load_dataset, make_loader
+from stages.artifacts import Run, atomic_torch_save, atomic_write_text, remove_stale_temporaries
+from stages.bench import isa
+from stages.checkpoints import (Checkpointer, best_weights, newest_good_checkpoint, restore_rng,
+                                rng_state, weights_digest)
+from stages.data import DataSplits, EpochSampler, expected_shape, load_splits, make_loader
 from stages.errors import PipelineError
+from stages.evaluate import dataset_accuracy
 from stages.memory import PeakMemory
-from stages.models import build_model, model_spec
-from stages.precision import (Precision, autocast, grad_scaler, resolve_device,
-                              resolve_precision, seed_everything)
+from stages.models import build_model, check_model_fits, model_spec
+from stages.precision import (Precision, auto_precision_note, autocast,
+                              cap_isa_for_bf16_training, grad_scaler, resolve_device,
+                              resolve_precision, seed_everything, set_deterministic)
 from stages.progress import progress, say
+from stages.weights import initial_weights
+
+LOG_EVERY_CUDA = 50
+MEMORY_PROBE_STEPS = 8
 
 
 @dataclass
@@ -43,74 +53,15 @@ class TrainResult:
     peak_memory_method: str
     test_accuracy: float
     val_accuracy: float
+    best_epoch: int
     skipped_steps: int
     optimizer_steps: int
     final_loss: float
     epochs: int
     resumed_from: str | None
+    isa: dict | None = None
+    val_at_chance: bool = False
     skipped_images: int = 0
-
-
-# ---------------------------------------------------------------- shared with other stages
-
-
-def predict(model, images, batch_size: int = 256, device=None):
-    """Logits of ``model`` for a tensor of images, in eval mode and fp32, batch by batch."""
-    import torch
-
-    device = device or torch.device("cpu")
-    model.eval()
-    outputs = []
-    with torch.inference_mode():
-        for start in range(0, len(images), batch_size):
-            outputs.append(model(images[start:start + batch_size].to(device)).float().cpu())
-    return torch.cat(outputs) if outputs else torch.empty(0)
-
-
-def predict_dataset(predict_batch, dataset, batch_size: int = 256):
-    """(logits, labels) of a whole data set through ``predict_batch`` (a model or ORT session)."""
-    import torch
-
-    logits, labels = [], []
-    for images, targets in batches(dataset, batch_size):
-        logits.append(predict_batch(images))
-        labels.append(targets)
-    return torch.cat(logits), torch.cat(labels)
-
-
-def accuracy(logits, labels) -> float:
-    return float((logits.argmax(dim=1) == labels).float().mean()) if len(labels) else float("nan")
-
-
-def dataset_accuracy(model, dataset, device) -> float:
-    return accuracy(*predict_dataset(lambda images: predict(model, images, device=device), dataset))
-
-
-def load_splits(config) -> DataSplits:
-    """The splits a training config names (a saved config from an older run may lack keys)."""
-    option = lambda name, default: getattr(config, name, default)  # noqa: E731
-    try:
-        return load_dataset(config.dataset, image_size=config.image_size, seed=config.seed,
-                            data_dir=option("data_dir", "data"), download=option("download", False),
-                            val_fraction=option("val_fraction", 0.1),
-                            in_channels=option("in_channels", None),
-                            skip_bad_images=option("skip_bad_images", False))
-    except ValueError as exc:
-        raise PipelineError(str(exc)) from None
-
-
-def splits_of_run(run: Run) -> DataSplits:
-    """The data a run was trained on, rebuilt from the training config in its manifest."""
-    from types import SimpleNamespace
-
-    artifacts = run.artifacts()
-    trained = next((artifacts[n] for n in ("amp", "fp32") if n in artifacts), None)
-    if trained is None:
-        raise PipelineError(f"run {run.name!r} has no trained model; run 'pipeline train' first")
-    return load_splits(SimpleNamespace(**trained["config"]))
-
-
-# ---------------------------------------------------------------- checkpoints
 
 
 def _lr_lambda(total_steps: int, warmup_steps: int):
@@ -123,78 +74,117 @@ def _lr_lambda(total_steps: int, warmup_steps: int):
     return factor
 
 
-def _rng_state() -> dict:
+@dataclass
+class Parts:
+    """What one model's training is made of; built the same way for a run and for the
+    memory probe."""
+
+    model: object
+    trained: object  # the model, or its DistributedDataParallel wrapper
+    optimizer: object
+    scheduler: object
+    scaler: object
+    criterion: object
+    sampler: EpochSampler
+    loader: object
+    notes: list[str]  # what loading --init-weights/--weights adapted
+
+
+def build_parts(config, splits: DataSplits, precision: Precision, device) -> Parts:
     import torch
 
-    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    world = distributed.current()
+    seed_everything(config.seed)
+    model = build_model(config.model, splits.num_classes, splits.in_channels, splits.image_size)
+    notes = initial_weights(config, model)
+    model = model.to(device)
+    if device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+    trained = model
+    if world.active:
+        trained = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    sampler = EpochSampler(len(splits.train), config.seed, world.rank, world.world_size)
+    loader = make_loader(splits.train, config.batch_size, sampler, config.workers,
+                         pin_memory=device.type == "cuda",
+                         timeout=getattr(config, "loader_timeout", 0) if config.workers else 0)
+    # Fused SGD lets GradScaler skip a step on the GPU without asking the host first.
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9, nesterov=True,
+                                weight_decay=config.weight_decay,
+                                fused=True if device.type == "cuda" else None)
+    total_steps = config.epochs * len(loader)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _lr_lambda(total_steps, min(len(loader), max(total_steps // 10, 1))))
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
+    return Parts(model, trained, optimizer, scheduler, grad_scaler(precision, device), criterion,
+                 sampler, loader, notes)
 
 
-def _restore_rng(state: dict) -> None:
+class DeviceSums:
+    """Running sums of one epoch and the health of the steps, kept as tensors on the device."""
+
+    def __init__(self, device, in_a_row=None) -> None:
+        import torch
+
+        zero = lambda dtype=torch.float64: torch.zeros((), dtype=dtype, device=device)  # noqa
+        self.loss, self.correct, self.seen = zero(), zero(torch.int64), zero(torch.int64)
+        # Skips in a row carry over from the previous sums: a run of them may span a check.
+        self.skipped = zero(torch.int64)
+        self.in_a_row = zero(torch.int64) if in_a_row is None else in_a_row
+        self.longest_run = self.in_a_row.clone()
+        self.first_bad = torch.full((), -1, dtype=torch.int64, device=device)
+
+    def add(self, loss, logits, labels, global_step: int, skipped) -> None:
+        import torch
+
+        loss = loss.detach()
+        bad = ~torch.isfinite(loss)
+        self.first_bad = torch.where(bad & (self.first_bad < 0), global_step, self.first_bad)
+        self.loss += torch.where(bad, 0.0, loss.double()) * len(labels)
+        self.correct += (logits.detach().argmax(1) == labels).sum()
+        self.seen += len(labels)
+        if skipped is not None:
+            self.skipped += skipped
+            self.in_a_row = (self.in_a_row + 1) * skipped
+            self.longest_run = torch.maximum(self.longest_run, self.in_a_row)
+
+    def read(self) -> dict:
+        """The host's view, once: one transfer of a few numbers, summed over ranks."""
+        import torch
+
+        values = torch.stack([self.loss, self.correct.double(), self.seen.double(),
+                              self.skipped.double(), self.longest_run.double(),
+                              self.first_bad.double()])
+        loss, correct, seen, skipped, longest, first_bad = distributed.reduce_health(values)
+        return {"loss": loss, "correct": int(correct), "seen": int(seen),
+                "skipped": int(skipped), "longest_run": int(longest), "first_bad": int(first_bad)}
+
+
+def train_step(parts: Parts, precision: Precision, device, config, images, labels, sums,
+               global_step: int) -> None:
     import torch
 
-    torch.set_rng_state(state["torch"])
-    random.setstate((3, tuple(state["python"]), None))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _checkpoints_of(run: Run, variant: str) -> list[tuple[int, str]]:
-    """(global step, manifest name) of a variant's numbered checkpoints, newest first."""
-    found = [(entry["step"], name) for name, entry in run.artifacts().items()
-             if entry["kind"] == "checkpoint" and entry.get("parent") == variant
-             and "step" in entry]
-    return sorted(found, reverse=True)
-
-
-def newest_good_checkpoint(run: Run, variant: str) -> tuple[str, dict] | None:
-    """The newest checkpoint that matches its sha256 and loads; older ones are the fallback."""
-    for _, name in _checkpoints_of(run, variant):
-        try:
-            path = run.verified_path(name)
-        except PipelineError as exc:  # truncated or bit-flipped: the previous one will do
-            say(f"resume: skipping {exc}")
-            continue
-        # A file that matches the manifest but will not load as weights was written by someone
-        # else, manifest and all: refuse it rather than fall back silently.
-        return name, load_checkpoint(path)
-    return None
-
-
-class _Checkpointer:
-    """Writes numbered checkpoints, keeps the newest ``keep`` and the best, on rank 0 only."""
-
-    def __init__(self, run: Run, variant: str, folder: Path, keep: int, config_dict: dict):
-        self.run, self.variant, self.folder, self.keep = run, variant, folder, keep
-        self.config_dict = config_dict
-
-    def save(self, state: dict, best: bool) -> None:
-        step = state["position"]["global_step"]
-        name = f"{self.variant}/checkpoint-step{step:07d}"
-        path = self.folder / f"checkpoint-step{step:07d}.pt"
-        atomic_torch_save(state, path)
-        self.run.register(name, path, kind="checkpoint", stage="train", parent=self.variant,
-                          config=self.config_dict, step=step, epoch=state["position"]["epoch"])
-        self.run.register_alias(f"{self.variant}/checkpoint-last", of=name)
-        if best:
-            atomic_torch_save(state, self.folder / "checkpoint-best.pt")
-            self.run.register(f"{self.variant}/checkpoint-best", self.folder / "checkpoint-best.pt",
-                              kind="checkpoint-best", stage="train", parent=self.variant)
-        for _, old in _checkpoints_of(self.run, self.variant)[self.keep:]:
-            self.run.unregister(old)
-
-
-# ---------------------------------------------------------------- the loop
-
-
-def _weights_digest(model) -> str:
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+    images = images.to(device, non_blocking=True)
+    labels = labels.to(device, non_blocking=True)
+    if device.type == "cuda":
+        images = images.contiguous(memory_format=torch.channels_last)
+    with autocast(precision, device):
+        logits = parts.trained(images)
+    loss = parts.criterion(logits.float(), labels)
+    parts.optimizer.zero_grad(set_to_none=True)
+    scaler = parts.scaler
+    scaler.scale(loss).backward()
+    if config.grad_clip:
+        scaler.unscale_(parts.optimizer)  # clip the true gradients, not the scaled ones
+        torch.nn.utils.clip_grad_norm_(parts.model.parameters(), config.grad_clip)
+    # The scale as a device tensor (no host sync, unlike get_scale()): it backs off exactly
+    # when GradScaler found inf/NaN gradients and skipped the step.
+    before = scaler._get_scale_async().clone() if scaler.is_enabled() else None
+    scaler.step(parts.optimizer)
+    scaler.update()
+    skipped = None if before is None else (scaler._get_scale_async() < before).long()
+    parts.scheduler.step()
+    sums.add(loss, logits, labels, global_step, skipped)
 
 
 def _stop_workers(data_iterator) -> None:
@@ -233,8 +223,73 @@ def _worker_failures(variant: str, epoch: int, pos: dict, folder: Path, data_ite
             "--resume'") from None
 
 
+def _nan_message(variant: str, precision: Precision, device, epoch: int, step: int,
+                 folder: Path, baseline_finite: bool) -> str:
+    """Name the likely cause: a learning rate is to blame only where fp32 did not cope."""
+    where = (f"{variant}: the loss became NaN or infinite at epoch {epoch} step {step} "
+             f"(checkpoints already written in {folder} are untouched)")
+    if precision.name != "fp32" and baseline_finite:
+        return (f"{where}; the fp32 baseline trained through the same steps with the same "
+                f"learning rate, so the cause is {precision.name} arithmetic or its kernels on "
+                f"this {device.type.upper()}, not --lr: use --precision fp32 (and report the CPU, "
+                f"torch version and ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '')})")
+    return f"{where}; lower --lr, add --grad-clip 1, or try --precision fp32"
+
+
+BATCHNORM_BATCHES = 100  # at most this many training batches recompute BatchNorm statistics
+
+
+def recompute_batchnorm(model, dataset, batch_size: int, device) -> None:
+    """Set every BatchNorm's running statistics to the plain average over (up to 100 batches
+    of) the unaugmented training images, before the model is evaluated.
+
+    Running averages with a small momentum need many steps to forget their initial values:
+    torchvision's MobileNetV3 uses 0.01, and after 210 steps (10 epochs of the digits) 12% of
+    the initial variance of 1 was left against true variances of 1e-4 to 0.04, so evaluation
+    collapsed to one class (9.72% validation accuracy) while training reached 99%. Only the
+    BatchNorm layers change mode: dropout stays off and draws no random numbers, so a resumed
+    run stays bit-identical."""
+    import torch
+    from torch import nn
+
+    layers = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+              and m.track_running_stats]
+    if not layers:
+        return
+    was_training = model.training
+    model.eval()
+    momenta = [layer.momentum for layer in layers]
+    for layer in layers:
+        layer.reset_running_stats()
+        layer.momentum = None  # a cumulative average over the batches below
+        layer.train()
+    with torch.no_grad():
+        for i, (images, _) in enumerate(make_loader(dataset, batch_size)):
+            if i == BATCHNORM_BATCHES:
+                break
+            model(images.to(device))
+    for layer, momentum in zip(layers, momenta):
+        layer.momentum = momentum
+    model.train(was_training)
+
+
+def _at_chance(train_accuracy: float, val_accuracy: float, chance: float, val_size: int) -> bool:
+    """Learning the training split while validation stays near chance (the share of the
+    largest class): a model that does not generalise, never one worth quantizing."""
+    noise = 3 * math.sqrt(chance * (1 - chance) / max(val_size, 1))
+    return train_accuracy >= chance + 0.3 and val_accuracy <= chance + max(noise, 0.1)
+
+
+def _chance(dataset) -> float:
+    """The share of the largest class: what always guessing it scores."""
+    import torch
+
+    labels = torch.cat([labels for _, labels in make_loader(dataset, 1024)])
+    return float(torch.bincount(labels).max()) / len(labels) if len(labels) else 0.0
+
+
 def train_variant(variant: str, precision: Precision, splits: DataSplits, config, run: Run,
-                  device, resume: bool = False) -> TrainResult:
+                  device, resume: bool = False, baseline_finite: bool = False) -> TrainResult:
     """Train one model (or continue it) and write checkpoints, metrics.jsonl and model.pt."""
     import torch
 
@@ -242,172 +297,174 @@ def train_variant(variant: str, precision: Precision, splits: DataSplits, config
     folder = run.root / "train" / variant
     if world.is_main:
         folder.mkdir(parents=True, exist_ok=True)
-    seed_everything(config.seed)
-    spec = model_spec(config.model, splits.num_classes, splits.in_channels, splits.image_size)
-    model = build_model(config.model, splits.num_classes, splits.in_channels).to(device)
-    if device.type == "cuda":
-        model = model.to(memory_format=torch.channels_last)
-    trained = model
-    if world.active:
-        trained = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
-    sampler = EpochSampler(len(splits.train), config.seed, world.rank, world.world_size)
-    loader = make_loader(splits.train, config.batch_size, sampler, config.workers,
-                         pin_memory=device.type == "cuda",
-                         timeout=getattr(config, "loader_timeout", 0) if config.workers else 0)
-    if world.is_main:
         remove_stale_temporaries(folder)
+    spec = model_spec(config.model, splits.num_classes, splits.in_channels, splits.image_size)
+    parts = build_parts(config, splits, precision, device)
+    model, loader = parts.model, parts.loader
+    for note in parts.notes:
+        say(f"{variant}: initial weights: {note}", quiet=config.quiet or not world.is_main)
     steps_per_epoch = len(loader)
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9, nesterov=True,
-                                weight_decay=config.weight_decay)
-    total_steps = config.epochs * steps_per_epoch
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, _lr_lambda(total_steps, min(steps_per_epoch, max(total_steps // 10, 1))))
-    scaler = grad_scaler(precision, device)
-    criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
-    checkpointer = _Checkpointer(run, variant, folder, config.keep_checkpoints, asdict(config))
+    checkpointer = Checkpointer(run, variant, folder, config.keep_checkpoints, asdict(config))
+    chance = _chance(splits.val)
+    check_every = 1 if device.type == "cpu" else LOG_EVERY_CUDA
 
     # Everything below is saved in each checkpoint and restored on resume.
     pos = {"epoch": 1, "step_in_epoch": 0, "global_step": 0}
     sums = {"loss": 0.0, "correct": 0, "seen": 0}
-    totals = {"skipped": 0, "in_a_row": 0, "seconds": 0.0, "samples": 0, "best_val": -1.0}
+    totals = {"skipped": 0, "seconds": 0.0, "samples": 0, "best_val": -1.0, "best_epoch": 0}
     history: list[dict] = []
-    resumed_from = None
+    resumed_from, best = None, None
     if resume:
         found = newest_good_checkpoint(run, variant)
         if found:
             resumed_from, state = found
             model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            scaler.load_state_dict(state["scaler"])
-            pos, sums, totals = state["position"], state["sums"], state["totals"]
+            parts.optimizer.load_state_dict(state["optimizer"])
+            parts.scheduler.load_state_dict(state["scheduler"])
+            parts.scaler.load_state_dict(state["scaler"])
+            pos, sums, totals = state["position"], state["sums"], totals | state["totals"]
             history = state["history"]
-            _restore_rng(state["rng"])
+            best = best_weights(run, variant)
+            restore_rng(state["rng"])
             say(f"{variant}: resuming from {resumed_from} (epoch {pos['epoch']}, step "
                 f"{pos['step_in_epoch']}/{steps_per_epoch})", quiet=not world.is_main)
 
     def state_now() -> dict:
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+        return {"model": model.state_dict(), "optimizer": parts.optimizer.state_dict(),
+                "scheduler": parts.scheduler.state_dict(), "scaler": parts.scaler.state_dict(),
                 "position": dict(pos), "sums": dict(sums), "totals": dict(totals),
-                "history": list(history), "rng": _rng_state(), "variant": variant,
+                "history": list(history), "rng": rng_state(), "variant": variant,
                 "precision": precision.name, "model_spec": spec, "config": asdict(config)}
 
-    with PeakMemory(device) as memory:
+    def check(device_sums: DeviceSums, epoch: int, epoch_start: int) -> dict:
+        """Fold the device's sums into the host's; stop on a NaN loss or too many skips."""
+        seen = device_sums.read()
+        if seen["first_bad"] >= 0:
+            raise PipelineError(_nan_message(variant, precision, device, epoch,
+                                             seen["first_bad"] - epoch_start + 1, folder,
+                                             baseline_finite))
+        if seen["longest_run"] > config.max_skipped_steps:
+            raise PipelineError(
+                f"{variant}: GradScaler skipped {seen['longest_run']} optimizer steps in a row "
+                f"(inf/NaN gradients) up to epoch {epoch} step {pos['step_in_epoch']}; lower "
+                "--lr, add --grad-clip or use --precision bf16")
+        return seen
+
+    in_a_row = None
+    memory = PeakMemory(device) if device.type == "cuda" else contextlib.nullcontext()
+    with memory:
         while pos["epoch"] <= config.epochs:
             epoch = pos["epoch"]
             if pos["step_in_epoch"] >= steps_per_epoch:  # resumed at an epoch boundary
                 pos.update(epoch=epoch + 1, step_in_epoch=0)
                 continue
-            trained.train()
-            sampler.set_epoch(epoch, start=pos["step_in_epoch"] * config.batch_size)
+            parts.trained.train()
+            parts.sampler.set_epoch(epoch, start=pos["step_in_epoch"] * config.batch_size)
             data_iterator = iter(loader)
             bar = progress(data_iterator, desc=f"{variant} {epoch}/{config.epochs}",
                            quiet=config.quiet or not world.is_main, total=len(loader))
-            started = tick = time.perf_counter()
+            device_sums = DeviceSums(device, in_a_row)
+            epoch_start = pos["global_step"] - pos["step_in_epoch"]
+            started = time.perf_counter()
             with _worker_failures(variant, epoch, pos, folder, data_iterator):
                 for images, labels in bar:
-                    images = images.to(device, non_blocking=True)
-                    labels = labels.to(device, non_blocking=True)
-                    if device.type == "cuda":
-                        images = images.contiguous(memory_format=torch.channels_last)
-                    with autocast(precision, device):
-                        logits = trained(images)
-                    loss = criterion(logits.float(), labels)
-                    loss_value = float(loss.detach())
-                    finite = distributed.sum_over_ranks([float(math.isfinite(loss_value))], device)
-                    step = pos["step_in_epoch"] + 1
-                    if finite[0] < world.world_size:
-                        raise PipelineError(
-                            f"{variant}: loss became {loss_value} at epoch {epoch} step {step}; "
-                            "lower --lr or change --precision (checkpoints already written in "
-                            f"{folder} are untouched)")
-                    optimizer.zero_grad(set_to_none=True)
-                    scaler.scale(loss).backward()
-                    if config.grad_clip:
-                        scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-                    scale_before = scaler.get_scale() if scaler.is_enabled() else None
-                    scaler.step(optimizer)
-                    scaler.update()
-                    if scale_before is not None and scaler.get_scale() < scale_before:
-                        totals["skipped"] += 1  # GradScaler found inf/NaN gradients: no step
-                        totals["in_a_row"] += 1
-                        if totals["in_a_row"] > config.max_skipped_steps:
-                            raise PipelineError(
-                                f"{variant}: GradScaler skipped {totals['in_a_row']} optimizer "
-                                f"steps in a row (inf/NaN gradients) up to epoch {epoch} step "
-                                f"{step}; lower --lr, add --grad-clip or use --precision bf16")
-                    else:
-                        totals["in_a_row"] = 0
-                    scheduler.step()
-                    pos["step_in_epoch"] = step
+                    train_step(parts, precision, device, config, images, labels, device_sums,
+                               pos["global_step"])
+                    pos["step_in_epoch"] += 1
                     pos["global_step"] += 1
-                    sums["loss"] += loss_value * len(labels)
-                    sums["correct"] += int((logits.argmax(1) == labels).sum())
-                    sums["seen"] += len(labels)
-                    if hasattr(bar, "set_postfix"):
-                        elapsed = max(time.perf_counter() - tick, 1e-9)
-                        rate = len(labels) * world.world_size / elapsed
-                        bar.set_postfix(loss=f"{sums['loss'] / sums['seen']:.3f}",
-                                        acc=f"{sums['correct'] / sums['seen']:.3f}",
-                                        samples_per_s=f"{rate:.0f}", refresh=False)
-                    tick = time.perf_counter()
                     every = config.checkpoint_every
-                    if every and pos["global_step"] % every == 0 and step < steps_per_epoch:
+                    checkpoint_now = (every and pos["global_step"] % every == 0
+                                      and pos["step_in_epoch"] < steps_per_epoch)
+                    if pos["step_in_epoch"] % check_every and not checkpoint_now:
+                        continue
+                    seen = check(device_sums, epoch, epoch_start)
+                    shown = {k: sums[k] + seen[k] for k in ("loss", "correct", "seen")}
+                    if hasattr(bar, "set_postfix") and shown["seen"]:
+                        bar.set_postfix(loss=f"{shown['loss'] / shown['seen']:.3f}",
+                                        acc=f"{shown['correct'] / shown['seen']:.3f}",
+                                        refresh=False)
+                    if checkpoint_now:
+                        # A checkpoint holds host numbers: fold the device's sums in first.
                         totals["seconds"] += time.perf_counter() - started
+                        totals["skipped"] += seen["skipped"]
+                        sums = shown
+                        device_sums = DeviceSums(device, device_sums.in_a_row)
                         distributed.sync_buffers(model)
                         if world.is_main:
                             checkpointer.save(state_now(), best=False)
                         started = time.perf_counter()
+            seen = check(device_sums, epoch, epoch_start)
+            in_a_row = device_sums.in_a_row
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             totals["seconds"] += time.perf_counter() - started
-            loss_sum, correct, seen = distributed.sum_over_ranks(
-                [sums["loss"], sums["correct"], sums["seen"]], device)
-            totals["samples"] += int(seen)
+            totals["skipped"] += seen["skipped"]
+            loss_sum, correct, count = (sums[k] + seen[k] for k in ("loss", "correct", "seen"))
+            totals["samples"] += count
+            recompute_batchnorm(model, splits.calibration, config.batch_size, device)
             distributed.sync_buffers(model)
             val_acc = dataset_accuracy(model, splits.val, device)
-            record = {"epoch": epoch, "loss": loss_sum / seen, "train_accuracy": correct / seen,
-                      "val_accuracy": val_acc, "lr": scheduler.get_last_lr()[0],
+            record = {"epoch": epoch, "loss": loss_sum / count, "train_accuracy": correct / count,
+                      "val_accuracy": val_acc, "lr": parts.scheduler.get_last_lr()[0],
                       "seconds": totals["seconds"], "samples_per_second":
                       totals["samples"] / totals["seconds"], "skipped_steps": totals["skipped"],
                       "skipped_images": splits.skipped_images}
             history.append(record)
-            best = val_acc > totals["best_val"]
-            totals["best_val"] = max(totals["best_val"], val_acc)
+            improved = val_acc > totals["best_val"]
+            if improved:
+                totals.update(best_val=val_acc, best_epoch=epoch)
+                best = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
             sums = {"loss": 0.0, "correct": 0, "seen": 0}
             if world.is_main:
                 atomic_write_text(folder / "metrics.jsonl",
                                   "".join(json.dumps(h) + "\n" for h in history))
-                checkpointer.save(state_now(), best=best)
+                checkpointer.save(state_now(), best=improved)
             say(f"{variant} epoch {epoch}/{config.epochs}: loss {record['loss']:.4f} "
                 f"train acc {record['train_accuracy']:.3f} val acc {val_acc:.3f}",
                 quiet=config.quiet or not world.is_main)
+            if _at_chance(record["train_accuracy"], val_acc, chance, len(splits.val)):
+                say(f"WARNING: {variant} learns the training images "
+                    f"({record['train_accuracy']:.1%}) but its validation accuracy is at chance "
+                    f"({val_acc:.1%}): it does not generalise to held-out images; check the "
+                    "data (labels, a train/validation mix-up) and any layer that behaves "
+                    "differently in evaluation", quiet=not world.is_main)
             pos.update(epoch=epoch + 1, step_in_epoch=0)
 
-    digests = distributed.all_gather(_weights_digest(model))
+    if best is not None:  # every later stage starts from the epoch chosen on validation
+        model.load_state_dict(best)
+    digests = distributed.all_gather(weights_digest(model.state_dict()))
     if len(set(digests)) != 1:
         raise PipelineError(f"{variant}: ranks ended with different weights; please report this")
     test_acc = dataset_accuracy(model, splits.test, device)
-    last = history[-1] if history else {"loss": float("nan"), "val_accuracy": float("nan")}
+    last = history[-1] if history else {"loss": float("nan"), "train_accuracy": 0.0}
+    best_record = next((h for h in history if h["epoch"] == totals["best_epoch"]), last)
     result = TrainResult(
         variant=variant, precision=precision.name, device=str(device),
         world_size=world.world_size, seconds=totals["seconds"],
         samples_per_second=totals["samples"] / totals["seconds"] if totals["seconds"] else 0.0,
-        peak_memory_bytes=int(memory.peak), peak_memory_method=memory.method,
-        test_accuracy=test_acc, val_accuracy=last["val_accuracy"],
-        skipped_steps=totals["skipped"],
-        optimizer_steps=pos["global_step"] - totals["skipped"], final_loss=last["loss"],
-        epochs=config.epochs, resumed_from=resumed_from, skipped_images=splits.skipped_images)
+        peak_memory_bytes=int(memory.peak) if device.type == "cuda" else 0,
+        peak_memory_method=memory.method if device.type == "cuda" else "",
+        test_accuracy=test_acc, val_accuracy=totals["best_val"], best_epoch=totals["best_epoch"],
+        skipped_steps=totals["skipped"], optimizer_steps=pos["global_step"] - totals["skipped"],
+        final_loss=last["loss"], epochs=config.epochs, resumed_from=resumed_from,
+        isa=isa() if device.type == "cpu" else None,
+        val_at_chance=_at_chance(best_record.get("train_accuracy", 0.0), totals["best_val"],
+                                 chance, len(splits.val)),
+        skipped_images=splits.skipped_images)
     if world.is_main:
+        if device.type == "cpu":
+            result.peak_memory_bytes, result.peak_memory_method = peak_memory_in_fresh_process(
+                config, precision)
         weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         atomic_torch_save({"model_spec": spec, "state_dict": weights}, folder / "model.pt")
         run.register(f"{variant}/metrics", folder / "metrics.jsonl", kind="metrics",
                      stage="train", parent=variant)
         run.register(variant, folder / "model.pt", kind="model", stage="train",
                      config=asdict(config), format="pytorch", model_spec=spec,
+                     chosen=f"epoch {totals['best_epoch']}, best validation accuracy",
+                     initial_weights={"file": getattr(config, "init_weights", None),
+                                      "torchvision": getattr(config, "weights", None),
+                                      "adapted": parts.notes},
                      training=asdict(result) | {"weights_sha256_all_ranks": digests[0]},
                      checkpoint_bytes=run.entry(f"{variant}/checkpoint-last")["bytes"])
     return result
@@ -417,7 +474,8 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
     """Train `amp` and, unless config.baseline is off, the `fp32` baseline beside it.
 
     With ``resume``, a variant whose model.pt is listed is done; the others continue from their
-    newest good checkpoint, or start afresh where they have none.
+    newest good checkpoint, or start afresh where they have none. A resumed run keeps the
+    precision it was started with, whatever the machine it resumes on.
     """
     import torch
 
@@ -425,7 +483,16 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
     world = distributed.current()
     if world.active and device.type == "cuda":
         device = torch.device("cuda", world.local_rank)
-    precision = resolve_precision(config.precision, device)
+    saved = run.recorded_config("train") if resume else {}
+    precision = Precision(saved["resolved_precision"]) if "resolved_precision" in saved \
+        else resolve_precision(config.precision, device)
+    cap_isa_for_bf16_training(precision.name, device.type)
+    note = auto_precision_note(precision, config.precision, device)
+    if note:
+        say(note, quiet=config.quiet or not world.is_main)
+    classes, channels, held = expected_shape(config)
+    check_model_fits(config.model, classes, channels, config.image_size, config.batch_size,
+                     device, held)
     splits = load_splits(config)
     if world.is_main:
         run.record_config("train", asdict(config) | {"resolved_precision": precision.name,
@@ -434,20 +501,66 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
     variants = ([("fp32", Precision("fp32"))] if config.baseline else []) + [("amp", precision)]
     results = []
     deterministic_before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(config.deterministic or deterministic_before)
+    set_deterministic(config.deterministic or deterministic_before, device)
     try:
         for name, prec in variants:
             if resume and name in run.artifacts():
-                saved = run.entry(name)["training"]
-                results.append(TrainResult(**{f: saved.get(f)
+                saved_result = run.entry(name)["training"]
+                results.append(TrainResult(**{f: saved_result.get(f)
                                               for f in TrainResult.__dataclass_fields__}))
                 say(f"{name}: already finished", quiet=config.quiet)
                 continue
-            results.append(train_variant(name, prec, splits, config, run, device, resume))
+            baseline_finite = any(r.variant == "fp32" for r in results)
+            results.append(train_variant(name, prec, splits, config, run, device, resume,
+                                         baseline_finite))
     finally:  # later stages in the same chain may use ops with no deterministic kernel
         torch.use_deterministic_algorithms(deterministic_before)
     for result in results:
         say(f"trained {result.variant} ({result.precision}): test accuracy "
-            f"{result.test_accuracy:.4f}, {result.samples_per_second:.0f} samples/s, "
-            f"{result.skipped_steps} skipped steps", quiet=not world.is_main)
+            f"{result.test_accuracy:.4f} (epoch {result.best_epoch}, chosen on validation), "
+            f"{result.samples_per_second:.0f} samples/s, {result.skipped_steps} skipped steps",
+            quiet=not world.is_main)
     return results
+
+
+# ---------------------------------------------------------------- memory, in a fresh process
+
+
+def peak_memory_in_fresh_process(config, precision: Precision) -> tuple[int, str]:
+    """Peak growth of resident memory over a few training steps, each model in a process of
+    its own: measured inside one process, the second model would inherit the first one's
+    warm heap and look smaller than it is."""
+    probe = json.dumps({"config": asdict(config), "precision": precision.name})
+    proc = subprocess.run([sys.executable, "-m", "stages.train", "--memory-probe", probe],
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        say(f"warning: the memory probe failed ({proc.stderr.strip()[-300:]}); no memory figure")
+        return 0, "not measured (the probe failed)"
+    peak = json.loads(proc.stdout.strip().splitlines()[-1])["peak"]
+    return peak, (f"peak growth of resident memory (RSS) over {MEMORY_PROBE_STEPS} training "
+                  "steps, measured in a fresh process for each model")
+
+
+def _memory_probe(argument: str) -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    probe = json.loads(argument)
+    config = SimpleNamespace(**probe["config"])
+    precision = Precision(probe["precision"])
+    device = torch.device("cpu")
+    splits = load_splits(config)
+    parts = build_parts(config, splits, precision, device)
+    parts.trained.train()
+    parts.sampler.set_epoch(1)
+    batches = iter(parts.loader)
+    sums = DeviceSums(device)
+    with PeakMemory(device) as memory:
+        for step, (images, labels) in zip(range(MEMORY_PROBE_STEPS), batches):
+            train_step(parts, precision, device, config, images, labels, sums, step)
+    print(json.dumps({"peak": int(memory.peak)}))
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--memory-probe"]:
+    _memory_probe(sys.argv[2])

@@ -3,7 +3,9 @@ fastest within the accuracy budget, and where none meets it keep the most sensit
 float until it does.
 
 Backend-agnostic: a backend is a dict of plain functions (build a model for some options and
-float layers, predict with it, time it, list its layers). Nothing here sees the test split.
+float layers, predict with it, make a call to time on a batch, list its layers). Candidates are
+timed together by the report's own harness (bench.interleaved), so --auto ranks them the way
+the report will. Nothing here sees the test split.
 """
 from __future__ import annotations
 
@@ -44,21 +46,34 @@ def label(options: dict) -> str:
     return " ".join(parts)
 
 
-def score(backend: dict, options: dict, float_layers: tuple[str, ...], reference: dict,
-          timed: bool) -> Trial:
+# Candidates are timed at the report's default large batch, in a short interleaved session.
+TUNING_BATCH = 32
+TUNING_TIMING = {"rounds": 4, "calls_per_round": 3, "warmup": 2}
+
+
+def score(backend: dict, options: dict, float_layers: tuple[str, ...], reference: dict) -> Trial:
     """Build one candidate and measure it against the float source on the validation images."""
     import torch
 
     model = backend["build"](options, float_layers)
     logits = backend["predict"](model, reference["images"])
     accuracy = float((logits.argmax(1) == reference["labels"]).float().mean())
-    latency = backend["latency"](model) if timed else None
     return Trial(
         options=options, float_layers=tuple(float_layers), model=model, val_accuracy=accuracy,
         drop_points=(reference["accuracy"] - accuracy) * 100,
         logit_mse=float(torch.mean((logits - reference["logits"]) ** 2)),
-        agreement=float((logits.argmax(1) == reference["logits"].argmax(1)).float().mean()),
-        latency_ms=latency)
+        agreement=float((logits.argmax(1) == reference["logits"].argmax(1)).float().mean()))
+
+
+def time_trials(backend: dict, trials: list[Trial], shape: tuple[int, ...]) -> None:
+    """p50 latency of each trial, all timed in one interleaved session."""
+    from stages import bench
+
+    batch = bench.random_batch((TUNING_BATCH, *shape))
+    calls = {str(i): backend["call"](t.model, batch) for i, t in enumerate(trials)}
+    timings = bench.interleaved(calls, **TUNING_TIMING)
+    for i, trial in enumerate(trials):
+        trial.latency_ms = timings[str(i)].summary()["p50"]
 
 
 def choose(trials: list[Trial], budget_points: float) -> tuple[Trial | None, str]:
@@ -75,20 +90,20 @@ def choose(trials: list[Trial], budget_points: float) -> tuple[Trial | None, str
 
 
 def keep_sensitive_layers_float(backend: dict, options: dict, layers: list[str], reference: dict,
-                                budget_points: float, timed: bool,
+                                budget_points: float,
                                 say: Callable[[str], None] = lambda _: None) -> dict:
     """Rank layers by how much leaving each one alone in float brings the logits back, then keep
     the most sensitive in float, one more at a time, until the accuracy budget holds."""
-    baseline = score(backend, options, (), reference, timed=False)
+    baseline = score(backend, options, (), reference)
     gains = []
     for layer in layers:
-        trial = score(backend, options, (layer,), reference, timed=False)
+        trial = score(backend, options, (layer,), reference)
         gains.append((baseline.logit_mse - trial.logit_mse, layer))
     ranking = [layer for _, layer in sorted(gains, key=lambda g: -g[0])]
     kept: list[str] = []
     trial = baseline
     for layer in ranking:
-        candidate = score(backend, options, tuple(kept + [layer]), reference, timed=timed)
+        candidate = score(backend, options, tuple(kept + [layer]), reference)
         say(f"  float: {', '.join(kept + [layer])} -> {0.0 - candidate.drop_points:+.2f} points")
         # A layer joins the float set only if it brings the logits closer: one that helps
         # neither alone nor with the others would cost speed for nothing.
@@ -104,28 +119,32 @@ def keep_sensitive_layers_float(backend: dict, options: dict, layers: list[str],
 
 
 def tune(backend: dict, candidates: list[dict], reference: dict, budget_points: float,
-         timed: bool, say: Callable[[str], None] = lambda _: None) -> tuple[Trial, dict]:
-    """Score every candidate, keep the best; fall back to float layers if none meets the budget.
-    Returns the chosen trial and a record of what was tried and why it won."""
-    trials = []
-    for options in candidates:
-        trial = score(backend, options, (), reference, timed)
-        trials.append(trial)
+         say: Callable[[str], None] = lambda _: None) -> tuple[Trial, dict]:
+    """Score every candidate, keep the fastest within the budget (timed only when there is a
+    choice); fall back to float layers if none meets it. Returns the chosen trial and a
+    record of what was tried and why it won."""
+    trials = [score(backend, options, (), reference) for options in candidates]
+    if len(trials) > 1:
+        time_trials(backend, trials, tuple(reference["images"].shape[1:]))
+    for trial in trials:
         latency = f", {trial.latency_ms:.2f} ms" if trial.latency_ms is not None else ""
-        say(f"  {label(options)}: accuracy change {0.0 - trial.drop_points:+.2f} points{latency}")
+        say(f"  {label(trial.options)}: accuracy change {0.0 - trial.drop_points:+.2f} points"
+            f"{latency}")
     chosen, why = choose(trials, budget_points)
     from stages.bench import cpu_info
 
     # The defaults (reduce_range, u8s8) follow these; a model tuned here may rank otherwise
     # on a CPU without them.
-    record = {"cpu_flags": cpu_info()["flags"], "budget_points": budget_points, "split": "held-out training images (validation split and images calibration did not use)",
+    record = {"cpu_flags": cpu_info()["flags"], "budget_points": budget_points,
+              "split": "held-out training images (validation split and images calibration "
+                       "did not use)",
               "images": int(len(reference["labels"])),
               "tried": [t.summary() for t in trials]}
     if chosen is None:
         closest = min(trials, key=lambda t: t.drop_points)
         say(f"  {why}; keeping the most sensitive layers in float")
         fallback = keep_sensitive_layers_float(backend, closest.options, backend["layers"](),
-                                               reference, budget_points, timed, say)
+                                               reference, budget_points, say)
         chosen = fallback.pop("trial")
         record["fallback"] = fallback | {"float_layers": list(chosen.float_layers)}
         why += (f"; kept {len(chosen.float_layers)} layer(s) in float: "

@@ -1,32 +1,47 @@
-"""Shared fixtures: one tiny run (smallcnn on 8x8 digits) trained, quantized and reported once."""
+"""Shared fixtures: one tiny run (smallcnn on 8x8 digits) trained, quantized, fine-tuned with QAT
+and reported once.
+
+bf16 training on a CPU with AMX needs oneDNN capped below AMX before its first kernel (see
+stages/precision.py); the CLI does that, and so does this file for tests that train in-process.
+"""
 from __future__ import annotations
 
-import pytest
+from stages.precision import cap_isa_for_bf16_training
 
-from pipeline.config import QuantizeConfig, ReportConfig, TrainConfig
+cap_isa_for_bf16_training("bf16", "cpu")  # before any test imports torch and runs a kernel
+
+import pytest  # noqa: E402
+
+from pipeline.config import QatConfig, QuantizeConfig, ReportConfig, TrainConfig  # noqa: E402
 
 TINY_TRAIN = dict(model="smallcnn", image_size=8, epochs=2, batch_size=64, quiet=True)
-TINY_REPORT = dict(batch_sizes=(1, 4), warmup=1, repeats=3, quiet=True)
+TINY_REPORT = dict(batch_sizes=(1, 4), warmup=1, rounds=5, repeats=4, quiet=True)
+ALL_VARIANTS = ["fp32", "amp", "fp32-compiled", "torch-dynamic", "torch-static", "torch-qat",
+                "onnx-fp32", "ort-dynamic", "ort-static", "ort-qat", "openvino-fp32",
+                "openvino-int8"]
 
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
-    """A complete run folder of the tiny model with every variant and a report."""
-    from stages import artifacts, quantize, report, train
+    """A complete run folder of the tiny model with every variant and a report. The amp model
+    trains in bf16 whatever the CPU, so that mixed precision is what is tested."""
+    from stages import artifacts, qat, quantize, report, train
 
     run = artifacts.create_run(tmp_path_factory.mktemp("artifacts"), "tiny")
-    train_results = train.run(TrainConfig(**TINY_TRAIN), run)
+    train_results = train.run(TrainConfig(**TINY_TRAIN | {"precision": "bf16"}), run)
     quantize.run(QuantizeConfig(calibration_samples=128, quiet=True), run)
+    qat.run(QatConfig(epochs=1, quiet=True), run)
     report_data = report.run(ReportConfig(**TINY_REPORT), run)
     return {"run": run, "train": {r.variant: r for r in train_results}, "report": report_data}
 
 
 @pytest.fixture
 def fresh_tiny_run(tmp_path):
-    """A tiny run of its own (a test may damage it): trained, quantized with torch-static."""
+    """A tiny run of its own (a test may damage it): trained in fp32, quantized with
+    torch-static."""
     from stages import artifacts, quantize, train
 
     run = artifacts.create_run(tmp_path / "artifacts", "fresh")
-    train.run(TrainConfig(**TINY_TRAIN), run)
+    train.run(TrainConfig(**TINY_TRAIN | {"precision": "fp32"}), run)
     quantize.run(QuantizeConfig(methods="torch-static", calibration_samples=64, quiet=True), run)
     return run

@@ -1,10 +1,11 @@
 import json
 
-
+import pytest
 import torch
 
 from pipeline.config import TrainConfig
 from stages import artifacts, train
+from stages.precision import Precision
 from tests.conftest import TINY_TRAIN
 
 
@@ -27,26 +28,58 @@ def test_outputs_of_a_training_run(tiny_run):
     for variant in ("fp32", "amp"):
         result = results[variant]
         assert result.test_accuracy > 0.5  # 10 classes: chance is 0.1
-        assert result.samples_per_second > 0 and result.seconds > 0
-        assert result.skipped_steps == 0
         lines = (run.root / "train" / variant / "metrics.jsonl").read_text().splitlines()
-        assert [json.loads(line)["epoch"] for line in lines] == [1, 2]
+        history = [json.loads(line) for line in lines]
+        assert [h["epoch"] for h in history] == [1, 2]
+        assert result.val_accuracy == max(h["val_accuracy"] for h in history)
+        assert result.samples_per_second == pytest.approx(
+            history[-1]["samples_per_second"])
         checkpoint = artifacts.load_checkpoint(run.verified_path(f"{variant}/checkpoint-last"))
-        assert {"model", "optimizer", "scheduler", "scaler", "position", "rng", "config"} <= set(checkpoint)
-        assert checkpoint["position"]["epoch"] == 2 and checkpoint["position"]["step_in_epoch"] == 21
-        assert all(v.dtype == torch.float32 for v in checkpoint["model"].values() if v.is_floating_point())
+        assert {"model", "optimizer", "scheduler", "scaler", "position", "rng",
+                "config"} <= set(checkpoint)
+        assert checkpoint["position"] == {"epoch": 2, "step_in_epoch": 21, "global_step": 42}
+        assert all(v.dtype == torch.float32 for v in checkpoint["model"].values()
+                   if v.is_floating_point())
     # AMP does not make the saved model smaller: master weights are fp32 in both.
     assert run.entry("fp32")["bytes"] == run.entry("amp")["bytes"]
 
 
-def test_fp16_with_grad_scaler_trains_on_cpu(tmp_path):
+def test_model_pt_is_the_epoch_chosen_on_validation(tmp_path, monkeypatch):
+    run = artifacts.create_run(tmp_path, "best")
+    scores = iter([0.9, 0.5, 0.3] * 2)  # validation after epochs 1, 2, 3: the first is best
+    real = train.dataset_accuracy
+    monkeypatch.setattr(train, "dataset_accuracy", lambda model, dataset, device=None:
+                        next(scores) if dataset is splits_val[0] else real(model, dataset, device))
+    splits_val = []
+    real_load = train.load_splits
+
+    def load(config):
+        splits = real_load(config)
+        splits_val.append(splits.val)
+        return splits
+
+    monkeypatch.setattr(train, "load_splits", load)
+    (result,) = train.run(TrainConfig(**TINY_TRAIN | {"epochs": 3, "baseline": False,
+                                                       "keep_checkpoints": 3}), run)
+    assert result.best_epoch == 1 and result.val_accuracy == 0.9
+    best = artifacts.load_checkpoint(run.verified_path("amp/checkpoint-best"))
+    assert best["position"]["epoch"] == 1
+    saved = _weights(run, "amp")
+    assert all(torch.equal(saved[k], best["model"][k]) for k in saved)
+    assert run.entry("amp")["chosen"] == "epoch 1, best validation accuracy"
+    last = artifacts.load_checkpoint(run.verified_path("amp/checkpoint-last"))
+    assert not all(torch.equal(saved[k], last["model"][k]) for k in saved)
+
+
+def test_fp16_with_grad_scaler_trains_on_cpu_without_skipping(tmp_path):
     run = artifacts.create_run(tmp_path, "fp16")
     (result,) = train.run(TrainConfig(**TINY_TRAIN | {"precision": "fp16", "baseline": False,
                                                        "grad_clip": 1.0}), run)
     assert result.precision == "fp16" and result.test_accuracy > 0.5
-    assert result.optimizer_steps + result.skipped_steps == 2 * 21
-    scaler_state = artifacts.load_checkpoint(run.verified_path("amp/checkpoint-last"))["scaler"]
-    assert scaler_state["scale"] > 0
+    assert result.skipped_steps == 0 and result.optimizer_steps == 42
+    scaler = artifacts.load_checkpoint(run.verified_path("amp/checkpoint-last"))["scaler"]
+    # 42 steps without inf gradients: the scale has not backed off nor yet grown (interval 2000).
+    assert scaler["scale"] == 2.0 ** 16 and scaler["_growth_tracker"] == 42
     assert "fp32" not in run.artifacts()
 
 
@@ -58,3 +91,48 @@ def test_same_seed_gives_identical_weights(tmp_path):
     a, b = _weights(first, "amp"), _weights(second, "amp")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
+
+def test_training_memory_does_not_depend_on_the_order_of_the_models():
+    config = TrainConfig(**TINY_TRAIN | {"image_size": 32})
+    precisions = [Precision("fp32"), Precision("bf16")]
+    first = [train.peak_memory_in_fresh_process(config, p)[0] for p in precisions]
+    second = [train.peak_memory_in_fresh_process(config, p)[0]
+              for p in reversed(precisions)][::-1]
+    for a, b in zip(first, second):
+        assert a > 1e6 and abs(a - b) <= 0.1 * max(a, b), (first, second)
+
+
+def test_validation_at_chance_while_training_learns_is_flagged():
+    # The digits' validation split: 144 images, the largest class 10.4% of them.
+    assert train._at_chance(train_accuracy=0.994, val_accuracy=0.0972, chance=0.104,
+                            val_size=144)
+    assert train._at_chance(train_accuracy=0.45, val_accuracy=0.188, chance=0.104, val_size=144)
+    assert not train._at_chance(train_accuracy=0.994, val_accuracy=0.95, chance=0.104,
+                                val_size=144)
+    assert not train._at_chance(train_accuracy=0.3, val_accuracy=0.1, chance=0.104,
+                                val_size=144)  # still learning
+
+
+def test_batchnorm_statistics_are_recomputed_from_training_images():
+    """A momentum of 0.01 after a few steps leaves the running variance near its initial 1;
+    recomputing sets it to the images' own statistics, whatever the momentum."""
+    from torch import nn
+
+    from stages.data import load_splits
+
+    splits = load_splits(TrainConfig(**TINY_TRAIN))
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4, momentum=0.01), nn.Dropout(0.5))
+    model.train()
+    with torch.no_grad():
+        for _ in range(3):
+            model(splits.calibration.tensors[0][:64])
+    assert model[1].running_var.min() > 0.9  # still mostly the initial value
+    rng = torch.get_rng_state()
+    train.recompute_batchnorm(model, splits.calibration, 64, torch.device("cpu"))
+    assert torch.equal(rng, torch.get_rng_state())  # dropout stayed off
+    images = splits.calibration.tensors[0][:64 * train.BATCHNORM_BATCHES]
+    with torch.no_grad():
+        conv = model[0](images)
+    assert torch.allclose(model[1].running_mean, conv.mean(dim=(0, 2, 3)), atol=1e-4)
+    assert torch.allclose(model[1].running_var, conv.var(dim=(0, 2, 3)), rtol=0.1)
+    assert model[1].momentum == 0.01 and model.training

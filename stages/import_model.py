@@ -1,0 +1,56 @@
+"""Import: register a model trained elsewhere as a run's `fp32` model, the source that
+quantize then compresses (`pipeline import quantize report`).
+
+The weights load weights-only and must fit the model exactly: nothing is adapted, since an
+imported model is used as it is. The manifest records where they came from and their sha256,
+and the model is scored on the run's validation and test splits so that a wrong --dataset or
+--image-size shows at once.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from stages.artifacts import Run, atomic_torch_save, sha256_file
+from stages.data import expected_shape, load_splits
+from stages.evaluate import dataset_accuracy
+from stages.models import build_model, check_model_fits, model_spec
+from stages.progress import say
+from stages.weights import load_into, pretrained_file, read_state_dict
+
+
+def weights_file(config) -> Path:
+    """--weights is a file, or the name of torchvision's pretrained weights in the cache."""
+    path = Path(config.weights).expanduser()
+    return path if path.is_file() else pretrained_file(config.model, config.weights)
+
+
+def run(config, run: Run) -> dict:
+    import torch
+
+    classes, channels, held = expected_shape(config)
+    check_model_fits(config.model, classes, channels, config.image_size, 1, torch.device("cpu"),
+                     held)
+    path = weights_file(config)
+    splits = load_splits(config)
+    spec = model_spec(config.model, splits.num_classes, splits.in_channels, splits.image_size)
+    model = build_model(config.model, splits.num_classes, splits.in_channels, splits.image_size)
+    load_into(model, read_state_dict(path), str(path), adapt=False)
+    model.eval()
+    scores = {"val_accuracy": dataset_accuracy(model, splits.val),
+              "test_accuracy": dataset_accuracy(model, splits.test)}
+    folder = run.root / "import"
+    weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    atomic_torch_save({"model_spec": spec, "state_dict": weights}, folder / "model.pt")
+    origin = {"file": str(path.resolve()), "sha256": sha256_file(path), "weights": config.weights}
+    run.record_config("import", asdict(config))
+    run.register("fp32", folder / "model.pt", kind="model", stage="import",
+                 config=asdict(config), format="pytorch", model_spec=spec,
+                 imported_from=origin, scores=scores)
+    say(f"imported {config.model} from {path}: validation accuracy "
+        f"{scores['val_accuracy']:.2%}, test accuracy {scores['test_accuracy']:.2%}",
+        quiet=config.quiet)
+    if scores["val_accuracy"] <= 1.5 / splits.num_classes:
+        say(f"WARNING: the imported model scores at chance ({scores['val_accuracy']:.1%}) on "
+            "this data: check --dataset, --image-size and --in-channels")
+    return scores

@@ -1,0 +1,179 @@
+"""Quantization-aware training: fine-tune the run's float model with fake quantization through
+torchao's PT2E QAT flow (prepare_qat_pt2e, then convert_pt2e), for where post-training
+quantization loses too much.
+
+torchvision's quantization recipe, scaled to a few epochs: a low learning rate, BatchNorm
+statistics frozen after the first epoch(s) and the quantization ranges after the next, the
+epoch with the best validation accuracy kept. The result is `torch-qat`, and `ort-qat` where
+the ONNX export of its QDQ graph holds; both are reported like every other variant.
+"""
+from __future__ import annotations
+
+import copy
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from stages import onnx_export, runtimes
+from stages.artifacts import Run
+from stages.data import EpochSampler, make_loader, splits_of_run
+from stages.errors import PipelineError
+from stages.evaluate import compare_logits, dataset_accuracy, predict
+from stages.precision import Precision, autocast, grad_scaler, resolve_device, seed_everything
+from stages.progress import progress, say
+from stages.quantize import QuantContext, float_source
+from stages.runtimes import pytorch as torch_runtime
+from stages.runtimes.onnxruntime import onnx_op_counts, ort_predict, ort_session
+
+PARITY_MIN_AGREEMENT = 0.98
+BATCH_NORM_OPS = ("aten.batch_norm.default", "aten._native_batch_norm_legit.default",
+                  "aten.cudnn_batch_norm.default")
+
+
+def freeze_batchnorm(graph) -> None:
+    """Let BatchNorm use its running statistics from now on, and stop updating them, while the
+    rest of the graph goes on training: its `training` argument set to False."""
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and str(node.target) in BATCH_NORM_OPS:
+            args = list(node.args)
+            args[5] = False
+            node.args = tuple(args)
+    graph.recompile()
+
+
+def _precision(config, run: Run, device) -> Precision:
+    """auto: the precision the float model was trained in, where this device has it."""
+    if config.precision != "auto":
+        return Precision(config.precision)
+    trained = run.recorded_config("train").get("resolved_precision", "fp32")
+    if trained == "fp16" and device.type != "cuda":
+        return Precision("bf16")
+    return Precision(trained)
+
+
+def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict]:
+    """The prepared QAT graph after fine-tuning (best validation epoch), and its history."""
+    import torch
+
+    from stages.train import DeviceSums, Parts, _lr_lambda, train_step
+
+    quantize_pt2e, _ = torch_runtime._pt2e()
+    from torchao.quantization.pt2e import (allow_exported_model_train_eval, disable_observer,
+                                           move_exported_model_to_eval,
+                                           move_exported_model_to_train)
+
+    seed_everything(config.seed)
+    splits = ctx.splits
+    graph = torch_runtime.export_graph(copy.deepcopy(ctx.float_model()), ctx.spec, train=True)
+    options = torch_runtime.pt2e_options()
+    prepared = quantize_pt2e.prepare_qat_pt2e(
+        graph, torch_runtime.make_quantizer(options, qat=True)).to(device)
+    allow_exported_model_train_eval(prepared)  # .eval() where scoring calls it
+    sampler = EpochSampler(len(splits.train), config.seed)
+    loader = make_loader(splits.train, config.batch_size, sampler)
+    optimizer = torch.optim.SGD(prepared.parameters(), lr=config.lr, momentum=0.9,
+                                weight_decay=5e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _lr_lambda(config.epochs * len(loader), 0))
+    precision = _precision(config, run, device)
+    parts = Parts(prepared, prepared, optimizer, scheduler, grad_scaler(precision, device),
+                  torch.nn.CrossEntropyLoss(), sampler, loader, [])
+    history, best, best_acc, step = [], None, -1.0, 0
+    started = time.perf_counter()
+    for epoch in range(1, config.epochs + 1):
+        move_exported_model_to_train(prepared)
+        if epoch > config.freeze_observers_after:
+            prepared.apply(disable_observer)
+        if epoch > config.freeze_bn_after:
+            freeze_batchnorm(prepared)
+        sampler.set_epoch(epoch)
+        sums = DeviceSums(device)
+        for images, labels in progress(loader, desc=f"qat {epoch}/{config.epochs}",
+                                       quiet=config.quiet, total=len(loader)):
+            train_step(parts, precision, device, _LoopConfig, images, labels, sums, step)
+            step += 1
+        seen = sums.read()
+        if seen["first_bad"] >= 0:
+            raise PipelineError(f"qat: the loss became NaN or infinite at epoch {epoch}; lower "
+                                "--lr or use --precision fp32")
+        move_exported_model_to_eval(prepared)
+        val_acc = dataset_accuracy(prepared, splits.val, device)
+        history.append({"epoch": epoch, "loss": seen["loss"] / seen["seen"],
+                        "train_accuracy": seen["correct"] / seen["seen"],
+                        "val_accuracy": val_acc, "seconds": time.perf_counter() - started})
+        say(f"qat epoch {epoch}/{config.epochs}: loss {history[-1]['loss']:.4f} validation "
+            f"accuracy {val_acc:.3f} (fake-quantized)", quiet=config.quiet)
+        if val_acc > best_acc:
+            best_acc, best = val_acc, copy.deepcopy(prepared.state_dict())
+    prepared.load_state_dict(best)
+    move_exported_model_to_eval(prepared)
+    return prepared.cpu(), {"history": history, "precision": precision.name,
+                            "seconds": time.perf_counter() - started}
+
+
+class _LoopConfig:
+    """What train_step reads from a training config: no clipping in fine-tuning."""
+
+    grad_clip = 0.0
+
+
+def export_qdq(ctx: QuantContext, graph) -> dict | None:
+    """`ort-qat`: the converted QAT graph exported to ONNX, where the exporter manages it; its
+    quantize/dequantize pairs become QuantizeLinear/DequantizeLinear (a QDQ model)."""
+    path = ctx.folder / "ort-qat.onnx"
+    images = ctx.check_images()
+    try:
+        onnx_export.export_onnx(graph, images[:2], path)
+    except PipelineError as exc:
+        say(f"qat: ort-qat not made: {exc}", quiet=ctx.config.quiet)
+        return None
+    session = ort_session(path, threads=1)
+    parity = compare_logits(ctx.logits_of("torch-qat", images), ort_predict(session, images))
+    if parity["top1_agreement"] < PARITY_MIN_AGREEMENT:
+        # Seen on CPUs without VNNI: ONNX Runtime's fused u8s8 kernels saturate on weights
+        # that use the full int8 range, as PT2E's do (its own quantizer reduces the range
+        # there); oneDNN does not.
+        path.unlink()
+        say(f"qat: ort-qat not kept: ONNX Runtime agrees with torch-qat on only "
+            f"{parity['top1_agreement']:.1%} of training images (max logit difference "
+            f"{parity['max_abs_diff']:.3g}); on CPUs without VNNI its int8 kernels saturate on "
+            "full-range int8 weights", quiet=ctx.config.quiet)
+        return None
+    info = {"exporter": "torch.onnx.export(dynamo=True) of torch-qat",
+            "parity_vs_torch_qat": parity}
+    ctx.register("ort-qat", path, info, fmt="onnx", op_counts=onnx_op_counts(path))
+    return info
+
+
+def run(config, run: Run) -> list[str]:
+    """Fine-tune, convert, save and check `torch-qat`, then export `ort-qat`."""
+    import torch
+
+    source = float_source(run)
+    spec = run.entry(source)["model_spec"]
+    splits = splits_of_run(run)
+    device = resolve_device(config.device)
+    run.record_config("qat", asdict(config) | {"source": source})
+    folder = run.root / "quantize"
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".scratch-") as scratch:
+        ctx = QuantContext(run, config, splits, spec, folder, Path(scratch), source,
+                           torch.get_num_threads(), stage="qat")
+        prepared, record = fine_tune(config, run, ctx, device)
+        quantize_pt2e, _ = torch_runtime._pt2e()
+        converted = torch_runtime.plain_graph(quantize_pt2e.convert_pt2e(prepared))
+        reference = dataset_accuracy(ctx.float_model(), splits.val)
+        qat_acc = dataset_accuracy(converted, splits.val)
+        recipe = {"options": torch_runtime.pt2e_options(), "float_layers": [], "qat": True}
+        info = recipe | {"epochs": config.epochs, "lr": config.lr,
+                         "freeze_bn_after": config.freeze_bn_after,
+                         "freeze_observers_after": config.freeze_observers_after,
+                         "validation_drop_points": (reference - qat_acc) * 100, **record}
+        torch_runtime._finish(ctx, "torch-qat", converted, recipe, info)
+        made = ["torch-qat"]
+        if export_qdq(ctx, converted) is not None:
+            made.append("ort-qat")
+    say(f"qat: torch-qat validation accuracy {qat_acc:.2%} against the float model's "
+        f"{reference:.2%}", quiet=config.quiet)
+    return made

@@ -1,0 +1,219 @@
+"""report.md and compare.md from the report's data: what a user reads before shipping."""
+from __future__ import annotations
+
+import json
+
+from stages import runtimes, tuning
+from stages.artifacts import Run
+from stages.errors import UsageError
+
+
+def _ratio(r: dict) -> str:
+    return f"{r['ratio']:.2f}x ({r['low']:.2f}–{r['high']:.2f})"
+
+
+def _pct_interval(low: float, high: float) -> str:
+    return f"{low:.1%}–{high:.1%}"
+
+
+def _verdict_paragraph(report: dict) -> list[str]:
+    v, ref = report["verdict"], report["reference"]
+    models = {m["name"]: m for m in report["models"]}
+    big = v["per_batch_size"][str(v["batch_size"])]
+    low, high = v["accuracy_change_ci95_points"]
+    noise = ("within the noise of the test split" if low <= 0 <= high
+             else "a real difference on the test split")
+    selection = models[v["recommended"]]["validation"]["samples"]
+    lines = [
+        f"**Ship `{v['recommended']}`** for batches of {v['batch_size']}. Of the variants "
+        f"within {v['max_accuracy_drop_points']:g} point(s) of `{ref}` on {selection} held-out "
+        f"training images (the validation split and images calibration did not use), it has "
+        f"the lowest p50 latency: {_ratio(big['speedup_vs_best_float'])} faster than the "
+        f"fastest float variant, `{big['best_float']}`, and "
+        f"{_ratio(big['speedup_vs_reference'])} faster than `{ref}` eager, at "
+        f"{v['size_ratio']:.2f}x its size. On the test split, which chose nothing, it scores "
+        f"{v['test_accuracy']:.2%}, {v['accuracy_change_points']:+.2f} points against `{ref}` "
+        f"(95% interval {low:+.2f} to {high:+.2f}, {noise}).", ""]
+    if big["within_noise_of"]:
+        lines += [f"Within noise of it at this batch size: "
+                  f"{', '.join(f'`{n}`' for n in big['within_noise_of'])} (their speed-up "
+                  "intervals against it hold 1).", ""]
+    for size, choice in v["per_batch_size"].items():
+        if size == str(v["batch_size"]):
+            continue
+        kind = "an int8 variant" if choice["int8"] else "a float variant"
+        lines += [f"At batch {size} the fastest within the budget is `{choice['recommended']}` "
+                  f"({kind}, {choice['p50_ms']:.2f} ms p50, "
+                  f"{_ratio(choice['speedup_vs_best_float'])} against the fastest float, "
+                  f"`{choice['best_float']}`)"
+                  + (f"; within noise: {', '.join(f'`{n}`' for n in choice['within_noise_of'])}"
+                     if choice["within_noise_of"] else "") + ".", ""]
+    return lines
+
+
+def _models_table(report: dict) -> list[str]:
+    ref = report["reference"]
+    rows = report["models"]
+    by_name = {r["name"]: r for r in rows}
+    sizes = [str(b) for b in report["config"]["batch_sizes"]]
+    big = sizes[-1]
+    head = ["variant", "runs as", "size (MB)", "size vs fp32"]
+    head += [f"p50 / p90 ms (batch {b})" for b in sizes]
+    head += [f"vs `{ref}` (batch {big})", f"vs fastest float (batch {big})",
+             "validation accuracy", "test accuracy (95% CI)", "test change in points (95% CI)",
+             f"agreement with `{ref}`"]
+    lines = ["## Models", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        change = r["test"]["change_vs_reference"]
+        cells = [f"`{r['name']}`", r["serving"], f"{r['size_bytes'] / 1e6:.2f}",
+                 f"{r['size_bytes'] / by_name[ref]['size_bytes']:.2f}x"]
+        cells += [f"{r['latency_ms'][b]['p50']:.2f} / {r['latency_ms'][b]['p90']:.2f}"
+                  for b in sizes]
+        cells += [_ratio(r["speedup_vs_reference"][big]), _ratio(r["speedup_vs_best_float"][big]),
+                  f"{r['validation']['accuracy']:.2%}",
+                  f"{r['accuracy']:.2%} ({_pct_interval(*r['accuracy_ci95'])})",
+                  "reference" if r["name"] == ref else
+                  f"{change['difference'] * 100:+.2f} ({change['low'] * 100:+.2f} to "
+                  f"{change['high'] * 100:+.2f})",
+                  f"{r['agreement']:.2%} ({r['flipped_predictions']} flipped)"]
+        lines.append("| " + " | ".join(cells) + " |")
+    timing = report["models"][0]["latency_ms"][big]
+    lines += ["", f"Speed-ups are ratios of p50 latencies measured in the same "
+              f"{timing['rounds']} rounds (the order rotated each round, garbage collection "
+              f"off, {timing['calls']} calls per variant and batch size), with 95% bootstrap "
+              "intervals over the rounds. Accuracy: top-1 on the test split, Wilson intervals; "
+              f"the change against `{ref}` uses Newcombe's paired interval on the same images.",
+              ""]
+    return lines
+
+
+def _quantization(report: dict) -> list[str]:
+    """What each variant really runs in int8, what stayed float and why, and parity."""
+    lines = ["## Quantization", "", "| variant | int8 ops (counted in what runs) | kept in float "
+             "| configuration | chosen because |", "|---|---|---|---|---|"]
+    for r in report["models"]:
+        info = r.get("quantization") or {}
+        record = info.get("tuning") or {}
+        options = info.get("options") or {k: info[k] for k in ("types", "per_channel",
+                                                               "calibration_method", "format",
+                                                               "preset") if k in info}
+        kept = ", ".join(info.get("float_layers") or []) or "-"
+        lines.append(f"| `{r['name']}` | {runtimes.summarize_ops(r['op_counts'])} | {kept} | "
+                     f"{tuning.label(options) if options else '-'} | {record.get('why', '-')} |")
+    for r in report["models"]:
+        record = (r.get("quantization") or {}).get("tuning") or {}
+        if len(record.get("tried", [])) < 2:
+            continue
+        lines += ["", f"`{r['name']}` configurations tried on {record['images']} held-out "
+                  "training images:", "", "| configuration | accuracy change (points) | p50 ms |",
+                  "|---|---|---|"]
+        for t in record["tried"]:
+            ms = f"{t['latency_ms_p50']:.2f}" if t["latency_ms_p50"] is not None else "-"
+            lines.append(f"| {t['label']} | {0.0 - t['drop_points']:+.2f} | {ms} |")
+    if report["parity"]:
+        lines += ["", "| parity on the test images | max logit difference | top-1 agreement |",
+                  "|---|---|---|"]
+        for p in report["parity"]:
+            flag = "" if p["within_bounds"] else " (out of bounds)"
+            lines.append(f"| `{p['b']}` vs `{p['a']}` | {p['max_abs_diff']:.3g} | "
+                         f"{p['top1_agreement']:.2%}{flag} |")
+    return lines + [""]
+
+
+def amp_sentence(training: dict, rows: list[dict]) -> str:
+    if "fp32" not in training or "amp" not in training:
+        return "Train with the fp32 baseline to compare AMP training against fp32."
+    fp32, amp = training["fp32"], training["amp"]
+    smallest = min(rows, key=lambda r: r["size_bytes"])
+    memory = ""
+    if fp32["peak_memory_bytes"] and amp["peak_memory_bytes"]:
+        memory = (f" Training memory: {amp['peak_memory_bytes'] / 1e6:.0f} MB against "
+                  f"{fp32['peak_memory_bytes'] / 1e6:.0f} MB.")
+    return (f"AMP training ({amp['precision']}) saved a model of {amp['model_bytes'] / 1e6:.2f} MB "
+            f"against fp32's {fp32['model_bytes'] / 1e6:.2f} MB: its master weights are fp32, "
+            f"so mixed precision does not shrink the saved model; quantization does "
+            f"(`{smallest['name']}`: {smallest['size_bytes'] / fp32['model_bytes']:.2f}x). It "
+            f"trained at {amp['samples_per_second']:.0f} samples/s against fp32's "
+            f"{fp32['samples_per_second']:.0f} ({amp['samples_per_second'] / max(fp32['samples_per_second'], 1e-9):.2f}x)."
+            + memory)
+
+
+def _training(report: dict) -> list[str]:
+    training = report["training"]
+    if not training:
+        return []
+    lines = ["## Training", "", amp_sentence(training, report["models"]), "",
+             "| model | precision | device | seconds | samples/s | peak memory (MB) | "
+             "checkpoint (MB) | model.pt (MB) | model.pt is | test accuracy | skipped steps |",
+             "|" + "---|" * 11]
+    for name, t in training.items():
+        lines.append(f"| `{name}` | {t['precision']} | {t['device']} | {t['seconds']:.1f} | "
+                     f"{t['samples_per_second']:.0f} | {t['peak_memory_bytes'] / 1e6:.0f} | "
+                     f"{t['checkpoint_bytes'] / 1e6:.2f} | {t['model_bytes'] / 1e6:.2f} | "
+                     f"{t.get('chosen') or '-'} | {t['test_accuracy']:.2%} | "
+                     f"{t['skipped_steps']} |")
+    method = next(iter(training.values())).get("peak_memory_method") or "not measured"
+    isa = {name: (t.get("isa") or {}) for name, t in training.items()}
+    lines += ["", f"Peak memory is the {method}. Every later stage starts from model.pt, the "
+              "epoch with the best validation accuracy."]
+    for name, found in isa.items():
+        if found:
+            lines.append(f"`{name}` trained with ATen's {found.get('aten')} kernels, oneDNN "
+                         f"{found.get('onednn_max_cpu_isa')}.")
+    lines.append("")
+    if "training-curves.png" in report["figures"]:
+        lines += ["![training curves](training-curves.png)", ""]
+    return lines
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Report for run `{report['run']}`", ""] + _verdict_paragraph(report)
+    if report["warnings"]:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in report["warnings"]] + [""]
+    lines += _models_table(report)
+    lines += [f"![{title}]({name})" for name, title in report["figures"].items()
+              if name != "training-curves.png"] + [""]
+    lines += _quantization(report) + _training(report)
+    env = report["environment"]
+    lines += ["## Environment", "",
+              f"CPU {env['cpu']['model']} ({', '.join(env['cpu']['flags']) or 'no int8/bf16 flags'})"
+              f"; inference with ATen's {env['isa']['aten']} kernels, oneDNN "
+              f"{env['isa']['onednn_max_cpu_isa']}; {env['threads']} threads for every runtime; "
+              + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".", ""]
+    return "\n".join(lines)
+
+
+def compare_markdown(runs: list[Run]) -> tuple[dict, str]:
+    """Side by side: every variant of every run, from each run's verified report.json."""
+    table = {}
+    for other in runs:
+        try:
+            path = other.verified_path("report/report.json")
+        except UsageError:
+            raise UsageError(f"run {other.name!r} has no report yet; run 'pipeline --run "
+                             f"{other.name} report' first") from None
+        table[other.name] = json.loads(path.read_text())
+    names = [v for v in runtimes.VARIANTS if any(v in {m["name"] for m in r["models"]}
+                                                 for r in table.values())]
+    lines = ["# Runs side by side", "", "| variant | " + " | ".join(f"`{n}`" for n in table) + " |",
+             "|" + "---|" * (len(table) + 1)]
+    for variant in names:
+        cells = []
+        for data in table.values():
+            row = next((m for m in data["models"] if m["name"] == variant), None)
+            big = str(data["config"]["batch_sizes"][-1])
+            cells.append("-" if row is None else
+                         f"{row['accuracy']:.2%}, {row['size_bytes'] / 1e6:.2f} MB, "
+                         f"{row['latency_ms'][big]['p50']:.2f} ms @{big}")
+        lines.append(f"| `{variant}` | " + " | ".join(cells) + " |")
+    lines += ["", "| run | recommended | vs reference | vs fastest float | size ratio | "
+              "test change (points) |", "|---|---|---|---|---|---|"]
+    for name, data in table.items():
+        v = data["verdict"]
+        lines.append(f"| `{name}` | `{v['recommended']}` | {v['speedup']:.2f}x | "
+                     f"{v['speedup_vs_best_float']:.2f}x | {v['size_ratio']:.2f}x | "
+                     f"{v['accuracy_change_points']:+.2f} |")
+    lines += ["", "Each run's numbers come from its own report, measured when that report ran."]
+    summary = {name: {"verdict": d["verdict"], "models": d["models"],
+                      "environment": d["environment"]} for name, d in table.items()}
+    return summary, "\n".join(lines) + "\n"

@@ -1,0 +1,86 @@
+"""Inference runtimes and the model variants they run, in one registry.
+
+A runtime is one module (pytorch, onnxruntime, openvino) that registers its variants with
+`@variant(...)` on the function that makes them from the float model and calibration data,
+and a loader with `@loader(...)` that opens a variant from its verified files and returns a
+`Loaded`: predict logits for a batch, a call to time, and the count of int8 and float ops
+that really run. quantize.py makes what is asked for and report.py measures what is there,
+both by walking VARIANTS, so a new runtime is one new module plus its tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    runtime: str  # the runtime whose loader opens it
+    source: str | None  # the variant it is made from; None for a trained or imported model
+    int8: bool
+    make: Callable | None  # (QuantContext) -> info; None where another stage makes it
+    description: str
+
+
+@dataclass
+class Loaded:
+    """A variant ready to run on the CPU."""
+
+    predict: Callable  # float images (N, C, H, W) -> logits, a float32 CPU tensor
+    call_for: Callable  # a batch -> a call without arguments, which bench times
+    op_counts: dict  # {"Conv": {"int8": n, "float": m}, ...}, of what really runs
+    serving: str  # how it runs, in words, for the report
+
+
+FLOAT = "float"  # a source that means the run's float model: amp, or an imported fp32
+VARIANTS: dict[str, Variant] = {}  # in the order the report lists them
+LOADERS: dict[str, Callable] = {}  # runtime -> load(run, name, threads) -> Loaded
+
+
+def declare(name: str, *, runtime: str, source: str | None, int8: bool, description: str,
+            make: Callable | None = None) -> None:
+    """Register a variant; without ``make``, one that another stage makes (train, import,
+    qat) and its runtime only loads."""
+    if name in VARIANTS:
+        raise RuntimeError(f"variant {name!r} is registered twice")
+    VARIANTS[name] = Variant(name, runtime, source, int8, make, description)
+
+
+def variant(name: str, **fields):
+    """Decorator: register a variant made by quantize with the decorated function."""
+
+    def add(make: Callable) -> Callable:
+        declare(name, make=make, **fields)
+        return make
+
+    return add
+
+
+def loader(runtime: str):
+    def add(load: Callable) -> Callable:
+        LOADERS[runtime] = load
+        return load
+
+    return add
+
+
+def load(run, name: str, threads: int) -> Loaded:
+    return LOADERS[VARIANTS[name].runtime](run, name, threads)
+
+
+def float_variants() -> list[str]:
+    return [v.name for v in VARIANTS.values() if not v.int8]
+
+
+def made_by_quantize() -> list[str]:
+    return [v.name for v in VARIANTS.values() if v.make is not None]
+
+
+def summarize_ops(counts: dict[str, dict[str, int]]) -> str:
+    return ", ".join(f"{kind} {c['int8']}/{c['int8'] + c['float']} int8"
+                     for kind, c in sorted(counts.items())) or "no Conv/Linear ops"
+
+
+# The runtimes register themselves on import, in the report's order.
+from stages.runtimes import pytorch, onnxruntime, openvino  # noqa: E402,F401

@@ -1,0 +1,281 @@
+"""ONNX Runtime: `onnx-fp32` (the float model exported to ONNX), `ort-dynamic` and `ort-static`
+(ONNX Runtime's own int8 quantizers) and `ort-qat` (the QAT model exported as QDQ).
+
+Static quantization writes QDQ graphs with uint8 activations and int8 weights: on x86 CPUs that
+format runs on ONNX Runtime's fast int8 kernels, while QOperator and S8S8 graphs measured
+several times slower than fp32 on the development machines (DESIGN.md).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import shutil
+from collections import defaultdict
+from pathlib import Path
+
+from stages import onnx_export, tuning
+from stages.artifacts import atomic_path
+from stages.bench import cpu_has_vnni
+from stages.errors import PipelineError
+from stages.evaluate import compare_logits, predict
+from stages.onnx_export import INPUT_NAME, OUTPUT_NAME
+from stages.runtimes import FLOAT, Loaded, declare, loader, variant
+
+QUANT_PLUMBING = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"}
+COMPUTE_OPS = {"Conv": "Conv", "ConvTranspose": "Conv", "MatMul": "Linear", "Gemm": "Linear"}
+ORT_TYPES = {"u8s8": ("QUInt8", "QInt8"), "s8s8": ("QInt8", "QInt8")}
+
+
+def ort_session(path: Path, threads: int):
+    """A CPU InferenceSession with a fixed thread count, like torch.set_num_threads."""
+    import onnxruntime as ort
+
+    try:
+        onnx_export.external_data_files(path)  # refuse data outside the folder before ORT reads
+    except PipelineError:
+        raise
+    except Exception as exc:
+        raise PipelineError(f"{path} is not a readable ONNX model: "
+                            f"{str(exc).strip().splitlines()[0][:200]}") from exc
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        raise PipelineError(f"ONNX Runtime cannot load {path}: "
+                            f"{str(exc).strip().splitlines()[0][:300]}") from exc
+
+
+def ort_predict(session, images, batch_size: int = 256):
+    """Logits from an ORT session for a float tensor of images, as a torch tensor."""
+    import numpy as np
+    import torch
+
+    outputs = []
+    for start in range(0, len(images), batch_size):
+        batch = images[start:start + batch_size].numpy().astype(np.float32, copy=False)
+        outputs.append(torch.from_numpy(session.run([OUTPUT_NAME], {INPUT_NAME: batch})[0]))
+    return torch.cat(outputs) if outputs else torch.empty(0)
+
+
+def ort_call(session, batch):
+    feed = {INPUT_NAME: batch.numpy()}
+    return lambda: session.run(None, feed)
+
+
+def _base_type(op_type: str) -> str:
+    """QLinearConv, ConvInteger and Conv are all 'Conv'; QGemm is 'Gemm'."""
+    if op_type.startswith("QLinear"):
+        return op_type[len("QLinear"):]
+    if op_type.endswith("Integer"):
+        return op_type[: -len("Integer")]
+    return "Gemm" if op_type == "QGemm" else op_type
+
+
+def onnx_op_counts(path: Path) -> dict[str, dict[str, int]]:
+    """Conv and Linear (MatMul, Gemm) ops: int8 when they are integer kernels or, in a QDQ graph,
+    when input and weight both come from DequantizeLinear (ORT fuses those into int8)."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    producer = {out: node.op_type for node in graph.node for out in node.output}
+    counts: dict[str, dict] = defaultdict(lambda: {"int8": 0, "float": 0, "ops": {}})
+    for node in graph.node:
+        if node.op_type in QUANT_PLUMBING:
+            continue
+        base = _base_type(node.op_type)
+        if base not in COMPUTE_OPS:
+            continue
+        # In QDQ form both the activation and the weight come out of DequantizeLinear; a node
+        # left float may still read a dequantized activation, but its weight stays float.
+        integer = node.op_type != base or (
+            len(node.input) >= 2
+            and all(producer.get(name) == "DequantizeLinear" for name in node.input[:2]))
+        slot = counts[COMPUTE_OPS[base]]
+        slot["int8" if integer else "float"] += 1
+        slot["ops"][node.op_type] = slot["ops"].get(node.op_type, 0) + 1
+    return dict(counts)
+
+
+def _quiet_ort_logging():
+    # The quantizer logs a pre-processing hint at WARNING even when we did pre-process.
+    logging.getLogger().setLevel(max(logging.getLogger().level, logging.ERROR))
+
+
+def static_options(types: str = "u8s8", per_channel: bool = False,
+                   calibration_method: str = "minmax", quant_format: str = "qdq") -> dict:
+    """The options record of one static configuration; reduce_range follows the CPU."""
+    activation, weight = ORT_TYPES[types]
+    # Without VNNI, 8-bit weights can overflow the int16 accumulation of AVX2 kernels.
+    return {"format": quant_format.upper(), "types": types, "activation_type": activation,
+            "weight_type": weight, "per_channel": per_channel,
+            "calibration_method": calibration_method, "reduce_range": not cpu_has_vnni()}
+
+
+def layer_groups(path: Path) -> dict[str, list[str]]:
+    """Each Conv/Gemm/MatMul node with the single-consumer Relu/Clip/pooling nodes after it:
+    what has to stay float together for a layer's output to stay float."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    groups = {}
+    for node in graph.node:
+        if node.op_type not in ("Conv", "Gemm", "MatMul"):
+            continue
+        members, current = [node.name], node
+        while len(consumers.get(current.output[0], [])) == 1:
+            follower = consumers[current.output[0]][0]
+            if follower.op_type not in ("Relu", "Clip", "MaxPool", "AveragePool",
+                                        "GlobalAveragePool", "Flatten"):
+                break
+            members.append(follower.name)
+            current = follower
+        groups[node.name] = members
+    return groups
+
+
+def quantize_static(pre_processed: Path, path: Path, batches, options: dict,
+                    nodes_to_exclude: list[str] | None = None) -> dict:
+    """Static int8 of a pre-processed model, calibrated on ``batches`` of training images."""
+    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat,
+                                          QuantType)
+    from onnxruntime.quantization import quantize_static as ort_quantize_static
+
+    _quiet_ort_logging()
+    if not batches:
+        raise PipelineError("static quantization needs calibration data and got none; "
+                            "raise --calibration-samples")
+
+    class TrainingBatches(CalibrationDataReader):
+        def __init__(self) -> None:
+            self._feeds = iter([{INPUT_NAME: b.numpy()} for b in batches])
+
+        def get_next(self):
+            return next(self._feeds, None)
+
+    method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+              "percentile": CalibrationMethod.Percentile}[options["calibration_method"]]
+    # The histogram calibrators print their progress with print(); keep our output short.
+    with atomic_path(path) as tmp, contextlib.redirect_stdout(io.StringIO()):
+        ort_quantize_static(str(pre_processed), str(tmp), TrainingBatches(),
+                            quant_format=QuantFormat.QDQ if options["format"] == "QDQ"
+                            else QuantFormat.QOperator,
+                            activation_type=getattr(QuantType, options["activation_type"]),
+                            weight_type=getattr(QuantType, options["weight_type"]),
+                            per_channel=options["per_channel"],
+                            reduce_range=options["reduce_range"], calibrate_method=method,
+                            nodes_to_exclude=nodes_to_exclude or [])
+    return options | {"calibration_batches": len(batches),
+                      "calibration_samples": int(sum(len(b) for b in batches))}
+
+
+def _finish(ctx, name: str, made: Path, source: str, info: dict) -> dict:
+    """Move a quantized file into place, check it, compare it with its source, register it."""
+    path = ctx.folder / f"{name}.onnx"
+    with atomic_path(path) as tmp:
+        shutil.copyfile(made, tmp)
+    onnx_export.check_onnx(path)
+    images = ctx.check_images()
+    written = ort_predict(ort_session(path, threads=1), images)
+    info[f"parity_vs_{source.replace('-', '_')}"] = compare_logits(ctx.logits_of(source, images),
+                                                                   written)
+    ctx.register(name, path, info, fmt="onnx", op_counts=onnx_op_counts(path))
+    return info
+
+
+@variant("onnx-fp32", runtime="onnxruntime", source=FLOAT, int8=False,
+         description="the float model exported to ONNX, run by ONNX Runtime")
+def make_onnx_fp32(ctx) -> dict:
+    model = ctx.float_model()
+    images = ctx.check_images()
+    path = ctx.folder / "model.onnx"
+    onnx_export.export_onnx(model, images[:2], path)
+    parity = compare_logits(predict(model, images),
+                            ort_predict(ort_session(path, threads=1), images))
+    info = {"exporter": "torch.onnx.export(dynamo=True)", "parity_vs_pytorch": parity}
+    ctx.register("onnx-fp32", path, info, fmt="onnx", op_counts=onnx_op_counts(path))
+    if parity["top1_agreement"] < 0.99:
+        ctx.say(f"warning: onnx-fp32 agrees with PyTorch on only {parity['top1_agreement']:.1%} "
+                f"of training images (max logit difference {parity['max_abs_diff']:.3g})")
+    return info
+
+
+@variant("ort-dynamic", runtime="onnxruntime", source="onnx-fp32", int8=True,
+         description="ONNX Runtime dynamic int8 (weights int8, activations at run time)")
+def make_dynamic(ctx) -> dict:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    _quiet_ort_logging()
+    made = ctx.scratch / "ort-dynamic.onnx"
+    with atomic_path(made) as tmp:
+        quantize_dynamic(str(ctx.run.verified_path("onnx-fp32")), str(tmp),
+                         weight_type=QuantType.QInt8)
+    return _finish(ctx, "ort-dynamic", made, "onnx-fp32",
+                   {"weight_type": "QInt8", "per_channel": False})
+
+
+def _static_backend(ctx, pre: Path) -> dict:
+    calibration = ctx.calibration()
+    groups = layer_groups(pre)
+    counter = iter(range(10**6))
+
+    def build(options: dict, float_layers) -> Path:
+        made = ctx.scratch / f"ort-static-{next(counter)}.onnx"
+        excluded = [n for layer in float_layers for n in groups[layer]]
+        quantize_static(pre, made, calibration, options, excluded)
+        return made
+
+    return {"build": build,
+            "predict": lambda path, images: ort_predict(ort_session(path, ctx.threads), images),
+            "call": lambda path, batch: ort_call(ort_session(path, ctx.threads), batch),
+            "layers": lambda: list(groups)}
+
+
+@variant("ort-static", runtime="onnxruntime", source="onnx-fp32", int8=True,
+         description="ONNX Runtime static int8, QDQ, calibrated on training images")
+def make_static(ctx) -> dict:
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    config = ctx.config
+    pre = ctx.scratch / "pre-processed.onnx"
+    _quiet_ort_logging()
+    quant_pre_process(str(ctx.run.verified_path("onnx-fp32")), str(pre))
+    if config.auto:
+        candidates = [static_options("u8s8", pc, cal)
+                      for cal in ("minmax", "percentile") for pc in (False, True)]
+        candidates.append(static_options("s8s8", False, "minmax"))
+    else:  # per-tensor measured fastest with VNNI (DESIGN.md)
+        candidates = [static_options(config.ort_types, bool(config.per_channel),
+                                     config.calibration_method or "minmax", config.ort_format)]
+    reference = ctx.reference(lambda images: ort_predict(ort_session(pre, ctx.threads), images))
+    ctx.say("ort-static: scoring on the validation slice")
+    trial, record = tuning.tune(_static_backend(ctx, pre), candidates, reference,
+                                config.max_accuracy_drop, say=ctx.say)
+    info = trial.options | {"float_layers": list(trial.float_layers), "tuning": record,
+                            "calibration_samples": int(sum(len(b) for b in ctx.calibration())),
+                            "calibration_split": "train", "pre_processed": True}
+    return _finish(ctx, "ort-static", trial.model, "onnx-fp32", info)
+
+
+# Made by the qat stage, from torch-qat's int8 graph.
+declare("ort-qat", runtime="onnxruntime", source="torch-qat", int8=True,
+        description="torch-qat exported to ONNX QDQ, run by ONNX Runtime")
+
+
+@loader("onnxruntime")
+def load(run, name: str, threads: int) -> Loaded:
+    import onnxruntime
+
+    path = run.verified_path(name)
+    session = ort_session(path, threads)
+    kind = (run.entry(name).get("quantization") or {}).get("format", "")
+    return Loaded(lambda images: ort_predict(session, images),
+                  lambda batch: ort_call(session, batch), onnx_op_counts(path),
+                  f"ONNX Runtime {onnxruntime.__version__}" + (f", {kind}" if kind else ""))

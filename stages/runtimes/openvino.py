@@ -1,0 +1,217 @@
+"""OpenVINO: `openvino-fp32` (the ONNX model as OpenVINO IR, run with the f32 precision hint)
+and `openvino-int8` (NNCF post-training quantization on training images).
+
+The f32 hint matters: on CPUs with AMX or AVX-512 BF16, OpenVINO otherwise runs float models
+in bf16, which would make `openvino-fp32` neither fp32 nor a fair float baseline. An IR is an
+.xml graph and a .bin of weights, listed together in the manifest; reading one runs no code
+from the files (no extensions are ever added to the Core).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import shutil
+from pathlib import Path
+
+from stages import tuning
+from stages.artifacts import atomic_path
+from stages.errors import PipelineError
+from stages.evaluate import compare_logits
+from stages.runtimes import Loaded, loader, variant
+
+INPUT_NAME = "input"
+COMPUTE_LAYERS = {"Convolution": "Conv", "Deconvolution": "Conv", "FullyConnected": "Linear",
+                  "MatMul": "Linear"}
+COMPUTE_OPS = ("Convolution", "GroupConvolution", "MatMul")
+
+
+def _openvino():
+    """OpenVINO with its usage telemetry declined in this process: the tool runs offline and
+    must not try to send anything (it costs seconds per conversion and writes to ~/intel)."""
+    try:
+        from openvino_telemetry.utils.opt_in_checker import ConsentCheckResult, OptInChecker
+
+        OptInChecker.check = lambda self, *args, **kwargs: ConsentCheckResult.DECLINED
+    except ImportError:  # a release without that module sends nothing through it
+        pass
+    try:
+        import openvino
+    except ImportError:
+        raise PipelineError("OpenVINO is not installed: pip install openvino nncf, or leave "
+                            "openvino-* out of --methods") from None
+    return openvino
+
+
+def _nncf():
+    _openvino()
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # a CUDA notice
+    try:
+        import nncf
+    except ImportError:
+        raise PipelineError("NNCF is not installed: pip install nncf, or leave openvino-int8 "
+                            "out of --methods") from None
+    nncf.set_log_level(logging.WARNING)
+    return nncf
+
+
+def compile_model(model, threads: int):
+    ov = _openvino()
+    config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads,
+              "PERFORMANCE_HINT": "LATENCY"}
+    try:
+        return ov.Core().compile_model(model, "CPU", config)
+    except Exception as exc:
+        raise PipelineError(f"OpenVINO cannot compile the model: "
+                            f"{str(exc).strip().splitlines()[0][:300]}") from exc
+
+
+def _runner(compiled):
+    """(predict, call_for) of a compiled model; one request, inputs shared, not copied."""
+    import numpy as np
+    import torch
+
+    request = compiled.create_infer_request()
+
+    def predict(images, batch_size: int = 256):
+        outputs = []
+        for start in range(0, len(images), batch_size):
+            batch = np.ascontiguousarray(images[start:start + batch_size].numpy(),
+                                         dtype=np.float32)
+            outputs.append(torch.from_numpy(
+                request.infer({0: batch}, share_inputs=True)[0].copy()))
+        return torch.cat(outputs) if outputs else torch.empty(0)
+
+    def call_for(batch):
+        array = np.ascontiguousarray(batch.numpy(), dtype=np.float32)
+        return lambda: request.infer({0: array}, share_inputs=True, share_outputs=True)
+
+    return predict, call_for
+
+
+def runtime_op_counts(compiled) -> dict[str, dict[str, int]]:
+    """Conv and Linear layers of the graph OpenVINO really executes, by the precision of the
+    kernel it chose (i8/u8 is an int8 kernel): fusion and fallback both show here."""
+    counts: dict[str, dict[str, int]] = {}
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        kind = COMPUTE_LAYERS.get(info["layerType"].astype(str))
+        if kind is None:
+            continue
+        precision = info["runtimePrecision"].astype(str)
+        slot = counts.setdefault(kind, {"int8": 0, "float": 0})
+        slot["int8" if precision in ("i8", "u8") else "float"] += 1
+    return counts
+
+
+def layer_names(model) -> list[str]:
+    """Names NNCF's ignored scope takes for each Conv and MatMul. An ONNX Gemm becomes a
+    MatMul named '<name>/WithoutBiases' beside an Add that keeps '<name>': the Add's name
+    would match and leave the MatMul int8."""
+    return [op.get_friendly_name() for op in model.get_ordered_ops()
+            if op.get_type_name() in COMPUTE_OPS]
+
+
+def _save_ir(model, xml: Path, scratch: Path) -> Path:
+    """Write the IR pair under its real names: each file to a temporary name, fsynced and
+    renamed, weights first so that a listed .xml never points at a missing .bin."""
+    ov = _openvino()
+    staged = scratch / xml.name
+    ov.save_model(model, str(staged), compress_to_fp16=False)
+    weights = xml.with_suffix(".bin")
+    for source, target in ((staged.with_suffix(".bin"), weights), (staged, xml)):
+        with atomic_path(target) as tmp:
+            shutil.copyfile(source, tmp)
+    return weights
+
+
+@variant("openvino-fp32", runtime="openvino", source="onnx-fp32", int8=False,
+         description="onnx-fp32 as OpenVINO IR, f32 precision hint")
+def make_fp32(ctx) -> dict:
+    ov = _openvino()
+    source = ctx.run.verified_path("onnx-fp32")
+    model = ov.convert_model(str(source))
+    xml = ctx.folder / "openvino-fp32.xml"
+    weights = _save_ir(model, xml, ctx.scratch)
+    images = ctx.check_images()
+    predict, _ = _runner(compile_model(ov.Core().read_model(str(xml)), threads=1))
+    info = {"converter": "openvino.convert_model", "precision_hint": "f32",
+            "parity_vs_onnx_fp32": compare_logits(ctx.logits_of("onnx-fp32", images),
+                                                  predict(images))}
+    ctx.register("openvino-fp32", xml, info, fmt="openvino", companions=(weights,),
+                 op_counts=runtime_op_counts(compile_model(ov.Core().read_model(str(xml)), 1)))
+    return info
+
+
+def _int8_backend(ctx, fp32_model, calibration) -> dict:
+    nncf = _nncf()
+    dataset = nncf.Dataset([batch.numpy() for batch in calibration])
+
+    def build(options: dict, float_layers):
+        scope = nncf.IgnoredScope(names=list(float_layers)) if float_layers else None
+        # NNCF draws progress bars on stdout, where the CLI prints the paths it wrote.
+        with contextlib.redirect_stdout(io.StringIO()):
+            return nncf.quantize(fp32_model, dataset, subset_size=len(calibration),
+                                 preset=getattr(nncf.QuantizationPreset, options["preset"]),
+                                 ignored_scope=scope)
+
+    def runner(model):
+        return _runner(compile_model(model, ctx.threads))
+
+    return {"build": build,
+            "predict": lambda model, images: runner(model)[0](images),
+            "call": lambda model, batch: runner(model)[1](batch),
+            "layers": lambda: layer_names(fp32_model)}
+
+
+@variant("openvino-int8", runtime="openvino", source="openvino-fp32", int8=True,
+         description="NNCF post-training int8, run by OpenVINO")
+def make_int8(ctx) -> dict:
+    ov = _openvino()
+    config = ctx.config
+    fp32_model = ov.Core().read_model(str(ctx.run.verified_path("openvino-fp32")))
+    calibration = ctx.calibration()
+    # PERFORMANCE: symmetric activations, the fast default for conv nets; MIXED: asymmetric
+    # activations, which suit activations that are not centred on zero.
+    presets = ["PERFORMANCE", "MIXED"] if config.auto else ["PERFORMANCE"]
+    fp32_predict, _ = _runner(compile_model(fp32_model, ctx.threads))
+    reference = ctx.reference(fp32_predict)
+    ctx.say("openvino-int8: scoring on the validation slice")
+    trial, record = tuning.tune(_int8_backend(ctx, fp32_model, calibration),
+                                [{"preset": p} for p in presets], reference,
+                                config.max_accuracy_drop, say=ctx.say)
+    xml = ctx.folder / "openvino-int8.xml"
+    weights = _save_ir(trial.model, xml, ctx.scratch)
+    images = ctx.check_images()
+    before, _ = _runner(compile_model(trial.model, 1))
+    written = compile_model(ov.Core().read_model(str(xml)), 1)
+    after, _ = _runner(written)
+    import torch
+
+    if not torch.equal(before(images), after(images)):
+        raise PipelineError(f"openvino-int8: the IR reloaded from {xml} does not reproduce its "
+                            "predictions; please report this with --debug output")
+    info = trial.options | {
+        "quantizer": "nncf.quantize", "float_layers": list(trial.float_layers),
+        "tuning": record, "calibration_samples": int(sum(len(b) for b in calibration)),
+        "calibration_split": "train",
+        "parity_vs_openvino_fp32": compare_logits(fp32_predict(images), after(images))}
+    ctx.register("openvino-int8", xml, info, fmt="openvino", companions=(weights,),
+                 op_counts=runtime_op_counts(written))
+    return info
+
+
+@loader("openvino")
+def load(run, name: str, threads: int) -> Loaded:
+    ov = _openvino()
+    path = run.verified_path(name)  # checks the .bin beside it too
+    try:
+        model = ov.Core().read_model(str(path))
+    except Exception as exc:
+        raise PipelineError(f"{name}: OpenVINO cannot read {path}: "
+                            f"{str(exc).strip().splitlines()[0][:200]}") from exc
+    compiled = compile_model(model, threads)
+    predict, call_for = _runner(compiled)
+    precision = "int8 (NNCF)" if name.endswith("int8") else "f32 hint"
+    return Loaded(predict, call_for, runtime_op_counts(compiled),
+                  f"OpenVINO {ov.get_version().split('-')[0]}, {precision}")

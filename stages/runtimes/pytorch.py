@@ -1,0 +1,355 @@
+"""PyTorch: the trained models as they are served (`fp32` eager, `amp` under autocast in its
+training precision), the best float PyTorch (`fp32-compiled`: Inductor with freezing), and int8
+through torchao's PT2E flow (`torch-dynamic`, `torch-static`, `torch-qat`): torch.export, an
+X86InductorQuantizer, convert_pt2e, then torch.compile with freezing so that oneDNN's int8
+kernels run. After compiling, the generated code is read to count which convolutions and
+linear layers really run in int8: a silent float fallback is an error, not a result.
+
+A PT2E model is stored as data (stages/graph_file), never with torch.export.save, whose loader
+runs code from the file.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+import warnings
+
+from stages import graph_file, tuning
+from stages.artifacts import atomic_torch_save, load_checkpoint
+from stages.bench import cpu_has_vnni
+from stages.errors import PipelineError
+from stages.evaluate import compare_logits, predict
+from stages.models import build_from_spec
+from stages.runtimes import FLOAT, Loaded, declare, loader, variant
+
+# What Inductor emits for each kind of kernel (torch 2.14, torchao 0.18).
+KERNELS = {
+    ("Conv", "int8"): r"torch\.ops\.onednn\.qconv(?:2d)?_pointwise[\w.]*\(",
+    ("Linear", "int8"): r"torch\.ops\.onednn\.qlinear_pointwise[\w.]*\(",
+    ("Conv", "float"): r"(?:mkldnn\._convolution_pointwise[\w.]*\(|extern_kernels\.convolution\(|"
+                       r"aten\.convolution[\w.]*\()",
+    ("Linear", "float"): r"(?:mkldnn\._linear_pointwise[\w.]*\(|extern_kernels\.(?:mm|addmm|bmm|"
+                         r"baddbmm)\(|mkl\._mkl_linear[\w.]*\()",
+}
+
+
+# ---------------------------------------------------------------- float models
+
+
+def load_float_module(run, name: str):
+    """A trained (or imported) model as an eager fp32 module, from its verified weights-only
+    file."""
+    data = load_checkpoint(run.verified_path(name))
+    if not isinstance(data, dict) or "state_dict" not in data or "model_spec" not in data:
+        raise PipelineError(f"{name}: {run.verified_path(name)} is not a pipeline model file")
+    model = build_from_spec(data["model_spec"])
+    try:
+        model.load_state_dict(data["state_dict"])
+    except RuntimeError as exc:
+        raise PipelineError(f"{name}: the weights in {run.verified_path(name)} do not fit "
+                            f"{data['model_spec']['model']}: {str(exc).splitlines()[0]}") from None
+    return model.eval()
+
+
+def eager_counts(model) -> dict[str, dict[str, int]]:
+    from torch import nn
+
+    counts = {}
+    for module in model.modules():
+        kind = ("Conv" if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) else
+                "Linear" if isinstance(module, nn.Linear) else None)
+        if kind:
+            counts.setdefault(kind, {"int8": 0, "float": 0})["float"] += 1
+    return counts
+
+
+def _call(model, batch, context=contextlib.nullcontext):
+    import torch
+
+    def call():
+        with torch.inference_mode(), context():
+            return model(batch)
+
+    return call
+
+
+COMPILED_BATCH = 32  # compiled models predict in batches of this size: one graph to build
+
+
+def _compile(module):
+    """torch.compile for inference: Inductor with freezing (weights become constants, so
+    oneDNN can pre-pack them and fuse int8 patterns), one graph per batch size (compiling
+    with dynamic shapes failed on the second batch size in the int8 convolution)."""
+    import torch
+    import torch._inductor.config as inductor_config
+
+    inductor_config.freezing = True
+    # Inductor's own int8 lowering copies a tensor the way it tells others not to.
+    warnings.filterwarnings("ignore", message="To copy construct from a tensor",
+                            category=UserWarning, module=r"torch\._inductor")
+    return torch.compile(module, dynamic=False)
+
+
+def predict_compiled(compiled, images):
+    """Logits of a compiled model in batches of one size, the last one padded with zeros, so
+    that scoring a data set builds no graph beyond the one timed at that size."""
+    import torch
+
+    outputs = []
+    for start in range(0, len(images), COMPILED_BATCH):
+        batch = images[start:start + COMPILED_BATCH]
+        padded = torch.cat([batch, batch.new_zeros(COMPILED_BATCH - len(batch),
+                                                   *batch.shape[1:])])
+        outputs.append(predict(compiled, padded)[:len(batch)])
+    return torch.cat(outputs) if outputs else torch.empty(0)
+
+
+def compiled_counts(compiled, batch) -> dict[str, dict[str, int]]:
+    """Run ``compiled`` once and count the convolution and linear kernels in the code Inductor
+    generated for it, by kind."""
+    import torch
+    from torch._inductor.utils import run_and_get_code
+
+    with torch.inference_mode():
+        _, code = run_and_get_code(compiled, batch)
+    source = "\n".join(code)
+    counts: dict[str, dict[str, int]] = {}
+    for (kind, precision), pattern in KERNELS.items():
+        found = len(re.findall(pattern, source))
+        if found:
+            counts.setdefault(kind, {"int8": 0, "float": 0})[precision] += found
+    return counts
+
+
+def _example(spec: dict, batch: int = 2):
+    import torch
+
+    return torch.zeros(batch, spec["in_channels"], spec["image_size"], spec["image_size"])
+
+
+# ---------------------------------------------------------------- PT2E
+
+
+def _pt2e():
+    """torchao's PT2E API, with the notices it prints on import silenced."""
+    import logging
+
+    # Two notices through logging: torchao's import registers an Enum the deprecated way, and
+    # a CUDA build on a machine without CUDA says so at the first compile.
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from torchao.quantization.pt2e import quantize_pt2e
+            from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer
+    except ImportError:
+        raise PipelineError("torch int8 needs torchao: pip install 'torchao>=0.18', or leave "
+                            "torch-* out of --methods") from None
+    return quantize_pt2e, x86_inductor_quantizer
+
+
+def export_graph(model, spec: dict, train: bool = False):
+    """torch.export with a dynamic batch axis. Strict mode: non-strict export of torchvision's
+    ResNets (one ReLU module called twice) fails in X86InductorQuantizer with "Input partition
+    has more than one output node"."""
+    import torch
+
+    model = model.train() if train else model.eval()
+    try:
+        return torch.export.export(model, (_example(spec, 4),), strict=True, dynamic_shapes=(
+            {0: torch.export.Dim("batch", min=1)},)).module()
+    except Exception as exc:
+        raise PipelineError(f"torch.export of {spec['model']} failed, so PT2E int8 cannot be "
+                            f"made: {str(exc).strip().splitlines()[0][:300]}") from exc
+
+
+def pt2e_options(dynamic: bool = False) -> dict:
+    """X86InductorQuantizer's recipe (per-channel symmetric weights, per-tensor activations),
+    with 7-bit weights on a CPU without VNNI, where full-range int8 saturates in the kernels:
+    on the mixer here, compiled int8 then drifted from its own reference by half the
+    output's spread."""
+    return {"dynamic": dynamic, "per_channel": True, "reduce_range": not cpu_has_vnni()}
+
+
+def make_quantizer(options: dict, float_layers=(), qat: bool = False):
+    _, x86 = _pt2e()
+    quantizer = x86.X86InductorQuantizer()
+    quantizer.set_global(x86.get_default_x86_inductor_quantization_config(
+        is_dynamic=options.get("dynamic", False), is_qat=qat,
+        reduce_range=options.get("reduce_range", False)))
+    for name in float_layers:
+        quantizer.set_module_name_qconfig(name, None)
+    return quantizer
+
+
+def quantize_pt2e(model, spec: dict, options: dict, calibration, float_layers=()):
+    """The float ``model`` (untouched) as a converted PT2E int8 graph."""
+    import torch
+
+    quantize_pt2e_module, _ = _pt2e()
+    graph = export_graph(copy.deepcopy(model), spec)
+    prepared = quantize_pt2e_module.prepare_pt2e(graph, make_quantizer(options, float_layers))
+    with torch.inference_mode():
+        for batch in calibration:
+            prepared(batch)
+    return plain_graph(quantize_pt2e_module.convert_pt2e(prepared))
+
+
+def plain_graph(graph):
+    """The converted graph as a plain GraphModule of operators (what a file holds), so that
+    the model measured is the model saved; convert_pt2e's result also keeps the unused float
+    weights and export's guard module."""
+    return graph_file.from_data(graph_file.to_data(graph))
+
+
+def layer_names(model) -> list[str]:
+    """Module names of the Conv and Linear layers: what set_module_name_qconfig keeps float."""
+    from torch import nn
+
+    return [name for name, module in model.named_modules()
+            if isinstance(module, (nn.Conv2d, nn.Linear))]
+
+
+def save_pt2e(graph, path, spec: dict, recipe: dict) -> None:
+    """The converted graph as data (stages/graph_file), with the recipe that made it."""
+    atomic_torch_save({"model_spec": spec, "recipe": recipe,
+                       "graph": graph_file.to_data(graph)}, path)
+
+
+def load_pt2e(run, name: str):
+    """A PT2E int8 graph from its verified file, ready to compile."""
+    return load_graph_file(run.verified_path(name), name)
+
+
+def load_graph_file(path, name: str):
+    data = load_checkpoint(path)
+    if not isinstance(data, dict) or "graph" not in data:
+        raise PipelineError(f"{name}: {path} is not a pipeline PT2E model file")
+    _pt2e()  # registers the quantized_decomposed operators and Inductor's int8 passes
+    try:
+        return graph_file.from_data(data["graph"])
+    except PipelineError as exc:
+        raise PipelineError(f"{name}: {path}: {exc}") from None
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise PipelineError(f"{name}: {path} is not a well-formed graph file ({type(exc).__name__}: "
+                            f"{exc})") from None
+
+
+# ---------------------------------------------------------------- making the variants
+
+
+# Made by the train (or import) stage.
+declare("fp32", runtime="pytorch", source=None, int8=False,
+        description="trained in float32, eager PyTorch")
+declare("amp", runtime="pytorch", source=None, int8=False,
+        description="trained with autocast, served in its training precision")
+
+
+@variant("fp32-compiled", runtime="pytorch", source=FLOAT, int8=False,
+         description="the float weights under torch.compile (Inductor, freezing)")
+def make_compiled(ctx) -> dict:
+    """No new file: the float source's weights, compiled at load; checked here once."""
+    model = ctx.float_model()
+    images = ctx.check_images()
+    compiled = _compile(copy.deepcopy(model))
+    counts = compiled_counts(compiled, images[:COMPILED_BATCH])
+    info = {"compiler": "torch.compile(dynamic=False), Inductor freezing",
+            "parity_vs_source": compare_logits(predict(model, images),
+                                               predict_compiled(compiled, images))}
+    ctx.register("fp32-compiled", ctx.run.verified_path(ctx.source), info, fmt="pytorch",
+                 op_counts=counts)
+    return info
+
+
+def _backend(ctx, calibration) -> dict:
+    model, spec = ctx.float_model(), ctx.spec
+    return {"build": lambda options, float_layers: quantize_pt2e(model, spec, options,
+                                                                  calibration, float_layers),
+            "predict": lambda graph, images: predict(graph, images),
+            "call": lambda graph, batch: _call(_compile(graph), batch),
+            "layers": lambda: layer_names(model)}
+
+
+def _finish(ctx, name: str, graph, recipe: dict, info: dict) -> dict:
+    """Save, rebuild from the file, compile, and check: same predictions as before saving,
+    int8 kernels in the compiled code."""
+    import torch
+
+    path = ctx.folder / f"{name}.pt"
+    save_pt2e(graph, path, ctx.spec, recipe)
+    images = ctx.check_images()
+    reloaded = load_graph_file(path, name)
+    before, after = predict(graph, images), predict(reloaded, images)
+    if not torch.equal(before, after):
+        raise PipelineError(f"{name}: the model rebuilt from {path} does not reproduce its "
+                            "predictions; please report this with --debug output")
+    counts = compiled_counts(_compile(reloaded), images[:COMPILED_BATCH])
+    info |= {"format": "PT2E (torchao), compiled with Inductor freezing",
+             "parity_vs_source": compare_logits(predict(ctx.float_model(), images), after)}
+    ctx.register(name, path, info, fmt="pytorch", op_counts=counts)
+    return info
+
+
+@variant("torch-dynamic", runtime="pytorch", source=FLOAT, int8=True,
+         description="PT2E dynamic int8 (activations quantized at run time), compiled")
+def make_dynamic(ctx) -> dict:
+    options = pt2e_options(dynamic=True)
+    # Activations are quantized at run time; one batch lets the weight observers see weights.
+    graph = quantize_pt2e(ctx.float_model(), ctx.spec, options, ctx.calibration()[:1])
+    return _finish(ctx, "torch-dynamic", graph, {"options": options, "float_layers": []},
+                   {"options": options, "float_layers": []})
+
+
+@variant("torch-static", runtime="pytorch", source=FLOAT, int8=True,
+         description="PT2E static int8 (X86InductorQuantizer), compiled")
+def make_static(ctx) -> dict:
+    config = ctx.config
+    calibration = ctx.calibration()
+    candidates = [pt2e_options()]
+    reference = ctx.reference(lambda images: predict(ctx.float_model(), images))
+    ctx.say("torch-static: scoring on the validation slice")
+    trial, record = tuning.tune(_backend(ctx, calibration), candidates, reference,
+                                config.max_accuracy_drop, say=ctx.say)
+    recipe = {"options": trial.options, "float_layers": list(trial.float_layers)}
+    return _finish(ctx, "torch-static", trial.model, recipe, recipe | {
+        "tuning": record, "calibration_samples": int(sum(len(b) for b in calibration)),
+        "calibration_split": "train"})
+
+
+# Made by the qat stage.
+declare("torch-qat", runtime="pytorch", source=FLOAT, int8=True,
+        description="fine-tuned with fake quantization (PT2E QAT), converted to int8")
+
+
+# ---------------------------------------------------------------- loading
+
+
+@loader("pytorch")
+def load(run, name: str, threads: int) -> Loaded:
+    import torch
+
+    torch.set_num_threads(threads)
+    entry = run.entry(name)
+    if name in ("fp32", "amp") or name == "fp32-compiled":
+        model = load_float_module(run, name if name != "fp32-compiled" else entry["parent"])
+        if name == "fp32-compiled":
+            compiled = _compile(model)
+            return Loaded(lambda images: predict_compiled(compiled, images),
+                          lambda batch: _call(compiled, batch),
+                          entry["quantization"]["op_counts"],
+                          "torch.compile (Inductor, freezing), fp32")
+        precision = (entry.get("training") or {}).get("precision", "fp32")
+        if name == "amp" and precision in ("bf16", "fp16"):
+            dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+            context = lambda: torch.autocast("cpu", dtype=dtype)  # noqa: E731
+            return Loaded(lambda images: predict(model, images, autocast=context),
+                          lambda batch: _call(model, batch, context), eager_counts(model),
+                          f"eager PyTorch under {precision} autocast, as trained")
+        return Loaded(lambda images: predict(model, images), lambda batch: _call(model, batch),
+                      eager_counts(model), "eager PyTorch, fp32")
+    compiled = _compile(load_pt2e(run, name))
+    return Loaded(lambda images: predict_compiled(compiled, images),
+                  lambda batch: _call(compiled, batch),
+                  entry["quantization"]["op_counts"], "PT2E int8, torch.compile (Inductor)")
