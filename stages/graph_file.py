@@ -1,8 +1,8 @@
 """An FX graph of PyTorch operators stored as data: every node as names and numbers, every
 tensor as a tensor, loadable with torch.load(weights_only=True).
 
-Why not torch.export.save: torch.export.load runs code from the file (sympy's parser, which
-evaluates strings; a torch.load(weights_only=False) fallback for sample inputs; pickle.loads of
+Why not torch.export.save: its loader runs code from the file (sympy's parser, which
+evaluates strings; an unrestricted unpickling fallback for sample inputs; plain unpickling of
 opaque constants). Here loading builds the graph from an allow-list of operator namespaces
 (aten, quantized_decomposed) and operator.getitem, so a file can only name operators a
 model may run, never a Python function.
@@ -15,6 +15,9 @@ from stages.errors import PipelineError
 
 FORMAT = "fx-graph-1"
 NAMESPACES = ("aten", "quantized_decomposed")
+# Plain arithmetic on sizes (a dynamic batch dimension is a symbolic int), and tuple indexing.
+PYTHON_OPERATORS = {f"operator.{name}": getattr(operator, name) for name in
+                    ("getitem", "add", "sub", "mul", "floordiv", "mod", "neg", "truediv", "pow")}
 
 
 def _encode(value, where: str):
@@ -64,8 +67,9 @@ def _decode(value, nodes: dict):
 def _target_name(target) -> str:
     import torch
 
-    if target is operator.getitem:
-        return "operator.getitem"
+    for name, function in PYTHON_OPERATORS.items():
+        if target is function:
+            return name
     if isinstance(target, torch._ops.OpOverload) and target.namespace in NAMESPACES:
         return str(target)
     raise PipelineError(f"cannot store the graph: it calls {target}, which is not an operator "
@@ -76,8 +80,8 @@ def _target(name: str):
     """An allow-listed operator by name; anything else in a file is refused."""
     import torch
 
-    if name == "operator.getitem":
-        return operator.getitem
+    if name in PYTHON_OPERATORS:
+        return PYTHON_OPERATORS[name]
     parts = name.split(".")
     if len(parts) != 3 or parts[0] not in NAMESPACES:
         raise PipelineError(f"the graph file calls {name!r}, which is not an operator of "
@@ -121,28 +125,24 @@ def from_data(data: dict):
 
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise PipelineError("not a graph file of this version")
-    root = torch.nn.Module()
-    for attribute, tensor in data["tensors"].items():
-        if not isinstance(tensor, torch.Tensor) or not all(
-                part.isidentifier() or part.isdigit() for part in attribute.split(".")):
+    # Tensors are kept under plain names of our own (t0, t1, ...): a module path such as
+    # RegNet's 'block1-0' is not an attribute name.
+    root, flat = torch.nn.Module(), {}
+    for i, (attribute, tensor) in enumerate(data["tensors"].items()):
+        if not isinstance(tensor, torch.Tensor):
             raise PipelineError(f"bad tensor {attribute!r} in the graph file")
-        owner = root
-        *path, leaf = attribute.split(".")
-        for part in path:
-            if not hasattr(owner, part):
-                owner.add_module(part, torch.nn.Module())
-            owner = getattr(owner, part)
-        owner.register_buffer(leaf, tensor)
+        flat[attribute] = f"t{i}"
+        root.register_buffer(flat[attribute], tensor)
     graph, built = fx.Graph(), {}
     for record in data["nodes"]:
         op = record["op"]
         if op == "placeholder":
             built[record["name"]] = graph.placeholder(record["name"])
         elif op == "get_attr":
-            if record["target"] not in data["tensors"]:
+            if record["target"] not in flat:
                 raise PipelineError(f"the graph file reads {record['target']!r}, which it "
                                     "does not hold")
-            built[record["name"]] = graph.get_attr(record["target"])
+            built[record["name"]] = graph.get_attr(flat[record["target"]])
         elif op == "call_function":
             built[record["name"]] = graph.call_function(
                 _target(record["target"]), _decode(record["args"], built),
