@@ -101,6 +101,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     max_skipped_steps: int = 25
     deterministic: bool = False
+    measure_memory: bool = True  # each model's training memory, in a fresh process
     init_weights: str | None = None  # a state_dict or checkpoint file to start from
     weights: str | None = None  # torchvision's pretrained weights by name, from the local cache
     seed: int = 0

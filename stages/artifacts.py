@@ -52,20 +52,36 @@ def _umask() -> int:
     return mask
 
 
+# What writers that swallow the OSError say when the system took fewer bytes than asked.
+SHORT_WRITE = re.compile(r"unexpected pos \d+ vs \d+|\d+ requested and \d+ written")
+
+
 def _write_failure(exc: BaseException) -> OSError | None:
     """The operating-system error behind a failed write, if there is one. Tools that write files
-    themselves wrap it: torch's zip writer raises "unexpected pos" with the OSError as context."""
-    seen = set()
+    themselves wrap it: torch's zip writer raises "unexpected pos" with the OSError as context;
+    some keep only a short-write message, which stands for EIO here."""
+    seen, short = set(), False
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS:
             return exc
+        short = short or bool(SHORT_WRITE.search(str(exc)))
         exc = exc.__cause__ or exc.__context__
+    if short:
+        return OSError(errno.EIO, "the system accepted fewer bytes than were written (a full "
+                                  "disk or a file size limit)")
     return None
 
 
+def raise_if_disk_failure(exc: BaseException, path: Path) -> None:
+    """For a tool's own error: if a write at the operating system is behind it, say so."""
+    failure = _write_failure(exc)
+    if failure is not None:
+        raise PipelineError(disk_failure_message(path, failure)) from None
+
+
 def _megabytes(count: float) -> str:
-    return f"{count / 1e6:.1f} MB"
+    return f"{count / 1e6:.2f} MB" if count < 10e6 else f"{count / 1e6:.0f} MB"
 
 
 def disk_failure_message(path: Path, error: OSError | None, written: int | None = None) -> str:
@@ -222,7 +238,8 @@ def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     found = {"python": platform.python_version()}
-    for package in ("torch", "torchvision", "onnx", "onnxruntime", "pipeline"):
+    for package in ("torch", "torchvision", "torchao", "onnx", "onnxruntime", "openvino", "nncf",
+                    "pipeline"):
         try:
             found[package] = version(package)
         except PackageNotFoundError:
@@ -413,12 +430,17 @@ def list_runs(artifacts_dir: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if (p / "manifest.json").is_file())
 
 
+def timestamp_name() -> str:
+    """A new run's default name: the local time to the second."""
+    return _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
 def create_run(artifacts_dir: Path, name: str | None = None) -> Run:
     """Make a new run folder with an empty manifest and point ``latest`` at it."""
     artifacts_dir = Path(artifacts_dir)
     explicit = name is not None
     if name is None:
-        name = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        name = timestamp_name()
     if not RUN_NAME.match(name):
         raise UsageError(f"run name {name!r} is not allowed; use letters, digits, '.', '_' and '-'")
     run = Run(artifacts_dir, name)

@@ -37,7 +37,10 @@ def predict_dataset(predict_batch: Callable, dataset, batch_size: int = 256):
 
 
 def accuracy(logits, labels) -> float:
-    return float((logits.argmax(dim=1) == labels).float().mean()) if len(labels) else float("nan")
+    """Share of correct top-1 predictions, as an exact ratio of counts."""
+    if not len(labels):
+        return float("nan")
+    return int((logits.argmax(dim=1) == labels).sum()) / len(labels)
 
 
 def dataset_accuracy(model, dataset, device=None) -> float:

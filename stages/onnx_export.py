@@ -11,7 +11,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from stages.artifacts import atomic_path
+from stages.artifacts import atomic_path, raise_if_disk_failure
 from stages.errors import PipelineError
 
 INPUT_NAME = "input"
@@ -46,7 +46,12 @@ def export_onnx(model, example, path: Path) -> None:
     import onnx
     import torch
 
-    with tempfile.TemporaryDirectory() as scratch, warnings.catch_warnings():
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # The exporter's own files go beside the target: the disk that must hold it is the one
+    # whose space is checked, and a full one is named as such.
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as scratch, \
+            warnings.catch_warnings():
         warnings.simplefilter("ignore")
         scratch_file = Path(scratch) / "model.onnx"
         try:
@@ -54,6 +59,7 @@ def export_onnx(model, example, path: Path) -> None:
                               input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
                               dynamic_shapes=({0: torch.export.Dim("batch", min=1)},))
         except Exception as exc:
+            raise_if_disk_failure(exc, path)
             raise PipelineError(f"ONNX export of {type(model).__name__} failed: "
                                 f"{str(exc).strip().splitlines()[0][:300]}") from exc
         # The exporter writes weights to model.onnx.data; under 2 GB one file is easier to ship.

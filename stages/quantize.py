@@ -17,6 +17,7 @@ from stages.artifacts import Run
 from stages.data import DataSplits, calibration_batches, check_calibration, first_images, \
     splits_of_run, tuning_images
 from stages.errors import PipelineError, UsageError
+from stages.evaluate import accuracy
 from stages.progress import say
 
 def float_source(run: Run) -> str:
@@ -91,7 +92,7 @@ class QuantContext:
         images, labels = self.validation()
         logits = predict_fn(images)
         return {"images": images, "labels": labels, "logits": logits,
-                "accuracy": float((logits.argmax(1) == labels).float().mean())}
+                "accuracy": accuracy(logits, labels)}
 
     def check_images(self):
         """A fixed slice of training images to compare a model before and after saving."""
@@ -162,3 +163,24 @@ def run(config, run: Run) -> dict[str, dict]:
                 f"{runtimes.summarize_ops(entry['quantization']['op_counts'])})",
                 quiet=config.quiet)
     return results
+
+
+def post_training_verdict(run: Run, names: list[str], budget_points: float) -> tuple[bool, str]:
+    """Whether some static int8 variant made by post-training quantization kept within the
+    accuracy budget on the validation images, and a sentence saying which (or that none did):
+    --auto goes on to quantization-aware training only when none did."""
+    drops = {}
+    for name in names:
+        tuning = run.entry(name).get("quantization", {}).get("tuning")
+        if tuning:
+            drops[name] = tuning["chosen"]["drop_points"]
+    within = sorted(n for n, drop in drops.items() if drop <= budget_points + 1e-9)
+    if within:
+        return True, (f"{', '.join(within)} kept within {budget_points:g} point(s) of the float "
+                       "model after post-training quantization, so no quantization-aware "
+                       "training is needed")
+    if not drops:
+        return True, "no static int8 variant was made, so there is nothing for QAT to rescue"
+    losses = ", ".join(f"{n} {-d:+.2f}" for n, d in sorted(drops.items()))
+    return False, (f"no post-training configuration kept within {budget_points:g} point(s) of "
+                   f"the float model on the validation images ({losses} points)")

@@ -452,9 +452,11 @@ def train_variant(variant: str, precision: Precision, splits: DataSplits, config
                                  chance, len(splits.val)),
         skipped_images=splits.skipped_images)
     if world.is_main:
-        if device.type == "cpu":
+        if device.type == "cpu" and getattr(config, "measure_memory", True):
             result.peak_memory_bytes, result.peak_memory_method = peak_memory_in_fresh_process(
                 config, precision)
+        elif device.type == "cpu":
+            result.peak_memory_method = "not measured (--no-measure-memory)"
         weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         atomic_torch_save({"model_spec": spec, "state_dict": weights}, folder / "model.pt")
         run.register(f"{variant}/metrics", folder / "metrics.jsonl", kind="metrics",

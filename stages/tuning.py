@@ -57,7 +57,9 @@ def score(backend: dict, options: dict, float_layers: tuple[str, ...], reference
 
     model = backend["build"](options, float_layers)
     logits = backend["predict"](model, reference["images"])
-    accuracy = float((logits.argmax(1) == reference["labels"]).float().mean())
+    from stages.evaluate import accuracy as exact_accuracy
+
+    accuracy = exact_accuracy(logits, reference["labels"])
     return Trial(
         options=options, float_layers=tuple(float_layers), model=model, val_accuracy=accuracy,
         drop_points=(reference["accuracy"] - accuracy) * 100,

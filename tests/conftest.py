@@ -14,8 +14,10 @@ import pytest  # noqa: E402
 
 from pipeline.config import QatConfig, QuantizeConfig, ReportConfig, TrainConfig  # noqa: E402
 
-TINY_TRAIN = dict(model="smallcnn", image_size=8, epochs=2, batch_size=64, quiet=True)
-TINY_REPORT = dict(batch_sizes=(1, 4), warmup=1, rounds=5, repeats=4, quiet=True)
+TINY_TRAIN = dict(model="smallcnn", image_size=8, epochs=2, batch_size=64, quiet=True,
+                  measure_memory=False)
+# Batch 32 is also the batch compiled models score in: one graph each to build.
+TINY_REPORT = dict(batch_sizes=(1, 32), warmup=1, rounds=5, repeats=4, quiet=True)
 ALL_VARIANTS = ["fp32", "amp", "fp32-compiled", "torch-dynamic", "torch-static", "torch-qat",
                 "onnx-fp32", "ort-dynamic", "ort-static", "ort-qat", "openvino-fp32",
                 "openvino-int8"]
@@ -28,20 +30,31 @@ def tiny_run(tmp_path_factory):
     from stages import artifacts, qat, quantize, report, train
 
     run = artifacts.create_run(tmp_path_factory.mktemp("artifacts"), "tiny")
-    train_results = train.run(TrainConfig(**TINY_TRAIN | {"precision": "bf16"}), run)
+    train_results = train.run(TrainConfig(**TINY_TRAIN | {"precision": "bf16",
+                                                          "measure_memory": True}), run)
     quantize.run(QuantizeConfig(calibration_samples=128, quiet=True), run)
     qat.run(QatConfig(epochs=1, quiet=True), run)
     report_data = report.run(ReportConfig(**TINY_REPORT), run)
     return {"run": run, "train": {r.variant: r for r in train_results}, "report": report_data}
 
 
-@pytest.fixture
-def fresh_tiny_run(tmp_path):
-    """A tiny run of its own (a test may damage it): trained in fp32, quantized with
-    torch-static."""
+@pytest.fixture(scope="session")
+def _fresh_template(tmp_path_factory):
     from stages import artifacts, quantize, train
 
-    run = artifacts.create_run(tmp_path / "artifacts", "fresh")
+    run = artifacts.create_run(tmp_path_factory.mktemp("template") / "artifacts", "fresh")
     train.run(TrainConfig(**TINY_TRAIN | {"precision": "fp32"}), run)
     quantize.run(QuantizeConfig(methods="torch-static", calibration_samples=64, quiet=True), run)
     return run
+
+
+@pytest.fixture
+def fresh_tiny_run(_fresh_template, tmp_path):
+    """A tiny run of its own (a test may damage it): trained in fp32, quantized with
+    torch-static; a copy of one made once per session."""
+    import shutil
+
+    from stages import artifacts
+
+    shutil.copytree(_fresh_template.artifacts_dir, tmp_path / "artifacts")
+    return artifacts.open_run(tmp_path / "artifacts", "fresh")

@@ -9,10 +9,10 @@ import time
 import torch
 
 from stages import artifacts
-from stages.train import _weights_digest
+from stages.checkpoints import weights_digest
 
 TRAIN = ["train", "--model", "smallcnn", "--image-size", "32", "--batch-size", "16", "--epochs",
-         "3", "--no-baseline", "--checkpoint-every", "10", "--deterministic"]
+         "3", "--no-baseline", "--checkpoint-every", "10", "--deterministic", "--no-measure-memory"]
 
 
 def _pipeline(tmp_path, *args):
@@ -80,7 +80,7 @@ def test_torchrun_two_cpu_ranks(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                "2", "-m", "pipeline", "--artifacts-dir", str(tmp_path), "--device", "cpu",
                "--quiet", "train", "--model", "smallcnn", "--image-size", "8",
-               "--epochs", "2", "quantize", "--methods", "torch-static", "--calibration-samples",
+               "--epochs", "2", "--no-measure-memory", "quantize", "--methods", "ort-static", "--calibration-samples",
                "64"]
     env = os.environ | {"PIPELINE_RUN": "ddp"}  # torchrun's parser would take --run
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
@@ -90,13 +90,53 @@ def test_torchrun_two_cpu_ranks(tmp_path):
         training = run.entry(variant)["training"]
         assert training["world_size"] == 2
         model = artifacts.load_checkpoint(run.verified_path(variant))["state_dict"]
-        module = torch.nn.Module()
-        module.state_dict = lambda model=model: model  # digest of the saved weights
-        assert training["weights_sha256_all_ranks"] == _weights_digest(module)
+        assert training["weights_sha256_all_ranks"] == weights_digest(model)
         assert training["test_accuracy"] > 0.3
-    assert "torch-static" in run.artifacts()  # quantize ran once, on rank 0
+    assert "ort-static" in run.artifacts()  # quantize ran once, on rank 0
     for name in run.artifacts():  # the run folder is complete and every file is the listed one
         run.verified_path(name)
-    report = subprocess.run(_pipeline(tmp_path, "--run", "ddp", "report", "--repeats", "3",
-                                      "--batch-sizes", "2"), capture_output=True, text=True)
+    report = subprocess.run(_pipeline(tmp_path, "--run", "ddp", "report", "--rounds", "5",
+                                      "--repeats", "4", "--batch-sizes", "32"),
+                            capture_output=True, text=True)
     assert report.returncode == 0, report.stderr[-2000:]
+
+
+FAILING_RANK = """
+import os
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self, num_classes, in_channels):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(in_channels, 8, 3), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.training and os.environ.get("RANK") == "1" and self.calls == 3:
+            raise RuntimeError("rank 1 fails on purpose")
+        return self.body(x)
+
+
+def net(num_classes, in_channels):
+    return Net(num_classes, in_channels)
+"""
+
+
+def test_when_one_rank_fails_every_rank_exits_non_zero_promptly(tmp_path):
+    (tmp_path / "failing.py").write_text(FAILING_RANK)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               "2", "-m", "pipeline", "--artifacts-dir", str(tmp_path / "artifacts"),
+               "--device", "cpu", "--quiet", "train", "--model", "failing:net",
+               "--image-size", "8", "--epochs", "1", "--no-baseline", "--no-measure-memory"]
+    env = os.environ | {"PIPELINE_RUN": "fails", "PYTHONPATH": str(tmp_path)}
+    started = time.monotonic()
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "rank 1 fails on purpose" in proc.stderr
+    assert time.monotonic() - started < 120, proc.stderr[-2000:]
+    run = artifacts.open_run(tmp_path / "artifacts", "fails")
+    assert run.manifest()["stages"]["train"]["status"] == "failed"

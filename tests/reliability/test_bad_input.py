@@ -37,7 +37,7 @@ def test_quantize_checks_calibration_before_writing_anything(fresh_tiny_run, mon
     monkeypatch.setattr(quantize, "calibration_batches",
                         lambda *a, **k: [torch.zeros(4, 3, 8, 8)])
     with pytest.raises(PipelineError, match="expected"):
-        quantize.run(QuantizeConfig(methods="onnx,ort-static", quiet=True), run)
+        quantize.run(QuantizeConfig(methods="onnx-fp32,ort-static", quiet=True), run)
     assert set(run.artifacts()) == before  # not even the ONNX export ran
 
 
@@ -75,7 +75,8 @@ def test_skipped_images_are_counted_in_the_run(tmp_path):
     run = artifacts.create_run(tmp_path / "artifacts", "skip")
     (result,) = train.run(cfg.TrainConfig(model="smallcnn", dataset="imagefolder",
                                           data_dir=str(root), image_size=8, epochs=1,
-                                          baseline=False, skip_bad_images=True, quiet=True), run)
+                                          baseline=False, skip_bad_images=True,
+                                          measure_memory=False, quiet=True), run)
     assert result.skipped_images == 3
     assert '"skipped_images": 3' in (run.root / "train" / "amp" / "metrics.jsonl").read_text()
 

@@ -1,15 +1,19 @@
 """Checkpoints and ONNX files from elsewhere: refused cleanly, never executed."""
+import io
 import json
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import onnx
 import pytest
+import torch
 
-from stages import artifacts, export
+from stages import artifacts
+from stages.runtimes.onnxruntime import ort_session
 from stages.errors import PipelineError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,12 +21,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_source_never_unpickles_arbitrary_objects():
     offenders = []
-    for path in [*ROOT.glob("pipeline/*.py"), *ROOT.glob("stages/*.py"),
-                 *ROOT.glob("benchmarks/*.py")]:
+    files = [*ROOT.rglob("pipeline/*.py"), *ROOT.rglob("stages/*.py"),
+             *ROOT.rglob("benchmarks/*.py")]
+    assert len(files) > 20  # the runtimes' folder included
+    for path in files:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#")[0]
             if (re.search(r"\bpickle\.loads?\(", code) or "allow_pickle=True" in code
-                    or "weights_only=False" in code
+                    or "weights_only=False" in code or "torch.export.load(" in code
                     or ("torch.load(" in code and "weights_only=True" not in code)):
                 offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not offenders, offenders
@@ -58,7 +64,8 @@ def _pipeline(run, *args):
 
 @pytest.mark.parametrize("stage_args, target", [
     (["quantize", "--methods", "torch-static"], "amp"),
-    (["report", "--repeats", "3", "--batch-sizes", "2"], "fp32"),
+    (["report", "--rounds", "5", "--repeats", "4", "--batch-sizes", "32"], "fp32"),
+    (["report", "--rounds", "5", "--repeats", "4", "--batch-sizes", "32"], "torch-static"),
     (["train", "--resume"], "amp/checkpoint-step0000042"),  # the newest of 2 epochs
 ])
 def test_a_code_carrying_checkpoint_is_refused_by_every_stage(fresh_tiny_run, tmp_path,
@@ -83,9 +90,49 @@ def test_a_flipped_bit_is_reported_by_name(fresh_tiny_run):
     data = bytearray(path.read_bytes())
     data[100] ^= 1
     path.write_bytes(bytes(data))
-    proc = _pipeline(run, "report", "--repeats", "3", "--batch-sizes", "2")
+    proc = _pipeline(run, "report", "--rounds", "5", "--repeats", "4", "--batch-sizes", "32")
     assert proc.returncode == 1
     assert "torch-static" in proc.stderr and "sha256" in proc.stderr
+
+
+@pytest.mark.parametrize("target", ["builtins.eval", "os.system", "torch.load",
+                                    "aten.conv2d", "aten.conv2d.default.extra"])
+def test_a_graph_file_that_names_anything_but_an_operator_is_refused(fresh_tiny_run, target):
+    """A PT2E file is data; one whose graph would call a Python function is refused before
+    any of it runs, and says so in one line."""
+    run = fresh_tiny_run
+    data = artifacts.load_checkpoint(run.verified_path("torch-static"))
+    node = next(n for n in data["graph"]["nodes"] if n["op"] == "call_function")
+    node["target"] = target
+    node["args"] = ["echo payload-ran"]
+    buffer = io.BytesIO()
+    torch.save(data, buffer)
+    _plant(run, "torch-static", buffer.getvalue())
+    proc = _pipeline(run, "report", "--rounds", "5", "--repeats", "4", "--batch-sizes", "32")
+    assert proc.returncode == 1, proc.stderr[-1000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert f"calls {target!r}" in line and "torch-static" in line
+    assert "payload-ran" not in proc.stdout + proc.stderr.replace(f"'{target}'", "")
+
+
+@pytest.mark.parametrize("relative", ["../../../elsewhere/outside.pt", "/tmp/outside.pt"])
+def test_a_manifest_entry_pointing_outside_the_run_is_refused_by_every_stage(
+        fresh_tiny_run, tmp_path, relative):
+    run = fresh_tiny_run
+    outside = (run.root / relative).resolve() if not relative.startswith("/") else Path(relative)
+    outside.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(run.verified_path("amp"), outside)
+    manifest = json.loads(run.manifest_path.read_text())
+    manifest["artifacts"]["amp"] |= {"path": relative, "sha256": artifacts.sha256_file(outside)}
+    run.manifest_path.write_text(json.dumps(manifest))
+    for args in (["quantize", "--methods", "ort-static"],
+                 ["report", "--rounds", "5", "--repeats", "4", "--batch-sizes", "32"]):
+        proc = _pipeline(run, *args)
+        assert proc.returncode == 1, proc.stderr[-1000:]
+        line = proc.stderr.strip().splitlines()[-1]
+        assert line == (f"pipeline: error: manifest.json of run 'fresh': entry 'amp' points "
+                        f"outside the run folder ('{relative}'); refusing to use it: restore "
+                        "manifest.json or re-run the stage that wrote it")
 
 
 def _onnx_with_external_data(folder: Path, source: Path, location: str) -> Path:
@@ -112,7 +159,7 @@ def test_external_data_pointing_outside_is_refused(tiny_run, tmp_path, kind):
     if kind == "symlink":
         (tmp_path / "model" / "link.data").symlink_to(outside)
     with pytest.raises(PipelineError, match="outside its folder"):
-        export.ort_session(path, threads=1)
+        ort_session(path, threads=1)
 
 
 @pytest.mark.parametrize("content", ["garbage", "truncated"])
@@ -120,8 +167,9 @@ def test_garbage_or_truncated_onnx_is_a_clean_error_in_a_subprocess(tiny_run, tm
     source = tiny_run["run"].verified_path("onnx-fp32").read_bytes()
     path = tmp_path / "broken.onnx"
     path.write_bytes(b"\x08\x07garbage" * 50 if content == "garbage" else source[: len(source) // 2])
-    code = ("import sys\nfrom stages import export\nfrom stages.errors import PipelineError\n"
-            "try:\n    export.ort_session(sys.argv[1], 1)\nexcept PipelineError as e:\n"
+    code = ("import sys\nfrom stages.runtimes.onnxruntime import ort_session\n"
+            "from stages.errors import PipelineError\n"
+            "try:\n    ort_session(sys.argv[1], 1)\nexcept PipelineError as e:\n"
             "    print('CLEAN', e)\n    sys.exit(3)\n")
     proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
                           timeout=120)

@@ -33,3 +33,27 @@ def test_calibration_comes_from_the_training_split_only():
     chosen = _rows(torch.cat(batches))
     assert chosen <= _rows(splits.train.tensors[0])
     assert not chosen & _rows(splits.test.tensors[0])
+
+
+class _Counting(torch.utils.data.Dataset):
+    """A large 'training split' that counts the images it is asked to decode."""
+
+    def __init__(self, size):
+        self.size, self.decoded = size, 0
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        self.decoded += 1
+        return torch.zeros(1, 8, 8), index % 10
+
+
+def test_the_selection_images_are_streamed_not_decoded_whole():
+    from stages.data import DataSplits, tuning_images
+
+    train, val = _Counting(50_000), _Counting(300)
+    splits = DataSplits(train, val, _Counting(10), train, num_classes=10, in_channels=1,
+                        image_size=8)
+    images, labels = tuning_images(splits, calibration_samples=512, seed=0, limit=1024)
+    assert len(images) == 1024 and val.decoded == 300 and train.decoded == 724

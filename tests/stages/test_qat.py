@@ -1,0 +1,54 @@
+"""Quantization-aware training: frozen BatchNorm statistics, and what the qat stage leaves."""
+import copy
+
+import torch
+
+from pipeline.config import TrainConfig
+from stages import qat
+from stages.data import load_splits
+from stages.runtimes import pytorch as torch_runtime
+from tests.conftest import TINY_TRAIN
+
+
+def test_frozen_batchnorm_keeps_its_statistics_while_training_goes_on():
+    quantize_pt2e, _ = torch_runtime._pt2e()
+    from stages.builtin_models import smallcnn
+
+    spec = {"model": "smallcnn", "num_classes": 10, "in_channels": 1, "image_size": 8}
+    graph = torch_runtime.export_graph(smallcnn(10, 1), spec, train=True)
+    prepared = quantize_pt2e.prepare_qat_pt2e(
+        graph, torch_runtime.make_quantizer(torch_runtime.pt2e_options(), qat=True))
+    images = load_splits(TrainConfig(**TINY_TRAIN)).train.tensors[0][:64]
+    optimizer = torch.optim.SGD(prepared.parameters(), lr=0.1)
+
+    def step():
+        optimizer.zero_grad()
+        prepared(images).logsumexp(1).mean().backward()
+        optimizer.step()
+
+    def statistics():
+        return {k: v.clone() for k, v in prepared.state_dict().items() if "running" in k}
+
+    step()
+    before = statistics()
+    step()
+    moved = statistics()
+    assert before and any(not torch.equal(before[k], moved[k]) for k in before)
+    qat.freeze_batchnorm(prepared)
+    weights = copy.deepcopy([p.detach() for p in prepared.parameters()])
+    step()
+    step()
+    assert all(torch.equal(moved[k], v) for k, v in statistics().items())
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(weights, prepared.parameters()))
+
+
+def test_the_qat_stage_leaves_a_checked_int8_model(tiny_run):
+    run = tiny_run["run"]
+    entry = run.entry("torch-qat")
+    info = entry["quantization"]
+    assert entry["stage"] == "qat" and entry["parent"] == "amp"
+    assert info["qat"] is True and [h["epoch"] for h in info["history"]] == [1]
+    assert info["op_counts"]["Conv"] == {"int8": 3, "float": 0}
+    assert info["parity_vs_source"]["top1_agreement"] > 0.5
+    qat_row = next(m for m in tiny_run["report"]["models"] if m["name"] == "torch-qat")
+    assert qat_row["int8"] and qat_row["size_bytes"] < 0.6 * run.shipped_bytes("fp32")
