@@ -275,6 +275,9 @@ def _common(ctx: click.Context, flags: dict, *keys: str) -> dict:
               "this in a row.  [default: 25]")
 @click.option("--deterministic/--no-deterministic", default=None,
               help="torch.use_deterministic_algorithms, for bit-identical resumes.")
+@click.option("--measure-memory/--no-measure-memory", default=None,
+              help="Measure each model's training memory in a fresh process (a few seconds "
+                   "each).  [default: measure]")
 @_run_options
 @click.pass_context
 def train(ctx: click.Context, resume: bool, **flags) -> Processor:
@@ -389,11 +392,25 @@ def quantize(ctx: click.Context, **flags) -> Processor:
     if flags.get("per_channel") is not None:
         flags["per_channel"] = bool(flags["per_channel"])
     config = _build(ctx, "quantize", flags)
+    # --auto falls back to QAT (with its own defaults and the same budget) only when no
+    # post-training configuration meets the budget; built here so a bad [qat] table stops early.
+    qat_config = (_build(ctx, "qat", _common(ctx, {"max_accuracy_drop": config.max_accuracy_drop},
+                                             "seed", "device", "quiet"))
+                  if config.auto else None)
 
     def process(run) -> None:
         from stages import quantize as quantize_stage
 
-        for variant in quantize_stage.run(config, run):
+        made = list(quantize_stage.run(config, run))
+        if qat_config is not None:
+            met, why = quantize_stage.post_training_verdict(run, made,
+                                                            config.max_accuracy_drop)
+            click.echo(f"--auto: {why}" + ("" if met else "; trying quantization-aware training"))
+            if not met:
+                from stages import qat as qat_stage
+
+                made += qat_stage.run(qat_config, run)
+        for variant in made:
             click.echo(f"{variant}: {run.root / run.entry(variant)['path']}")
 
     return "quantize", process

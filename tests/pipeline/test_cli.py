@@ -11,8 +11,10 @@ from click.testing import CliRunner
 
 from pipeline.cli import cli
 
-TINY = ["train", "--model", "smallcnn", "--image-size", "8", "--epochs", "1"]
-FAST_REPORT = ["report", "--repeats", "3", "--warmup", "1", "--batch-sizes", "1,4"]
+TINY = ["train", "--model", "smallcnn", "--image-size", "8", "--epochs", "1",
+        "--no-measure-memory"]
+FAST_REPORT = ["report", "--rounds", "5", "--repeats", "4", "--warmup", "1", "--batch-sizes",
+               "1,32"]
 
 
 def invoke(*args):
@@ -21,12 +23,15 @@ def invoke(*args):
 
 @pytest.mark.parametrize("args, needle", [
     (["train", "--model", "resnet7"], "--model 'resnet7' is not one of: mixer, smallcnn, alexnet"),
-    (["quantize", "--methods", "torch-static,int4"], "--methods 'int4' is not one of: torch-dynamic"),
+    (["quantize", "--methods", "torch-static,int4"], "--methods 'int4' is not one of: fp32-compiled"),
     (["train", "--epochs", "-3"], "--epochs must be at least 1, got -3"),
     (["--run", "missing", "report"], "run 'missing' does not exist"),
     (["--device", "tpu", "train"], "'tpu' is not one of 'auto', 'cpu', 'cuda'"),
     (["report", "--batch-sizes", "1,x"], "--batch-sizes takes whole numbers"),
-    (["qantize"], "'qantize'. Did you mean 'quantize'? Commands: quantize, report, train."),
+    (["qantize"], "No such command 'qantize'. (Did you mean one of: 'qat', 'quantize'?) "
+                  "Commands: import, qat, quantize, report, train."),
+    (["import", "--model", "smallcnn"], "--weights is required"),
+    (["train", "--init-weights", "/nonexistent.pt"], "--init-weights '/nonexistent.pt' is not a file"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, needle):
     result = invoke("--artifacts-dir", str(tmp_path), *args)
@@ -43,7 +48,8 @@ def test_bare_command_prints_help():
 
 def test_help_does_not_import_torch():
     code = ("import sys\nfrom pipeline.cli import cli\n"
-            "for args in (['--help'], ['train', '--help'], ['quantize', '--help'], ['report', '--help']):\n"
+            "for args in (['--help'], ['train', '--help'], ['import', '--help'], ['qat', '--help'],"
+            " ['quantize', '--help'], ['report', '--help']):\n"
             "    try:\n        cli.main(args, prog_name='pipeline')\n    except SystemExit as e:\n"
             "        assert e.code == 0, e.code\n"
             "print('torch' in sys.modules)")
@@ -61,14 +67,15 @@ def test_chain_through_cli_runner_then_stages_alone_on_latest_and_named_run(tmp_
     report = json.loads(report_md.with_name("report.json").read_text())
     assert [m["name"] for m in report["models"]] == ["fp32", "amp", "torch-static", "onnx-fp32",
                                                      "ort-static"]
+    assert report["verdict"]["recommended"] in {m["name"] for m in report["models"]}
     # A stage alone works on the latest run, and on a run named with --run.
     again = invoke("--artifacts-dir", str(tmp_path), "--quiet", "quantize", "--methods",
-                   "torch-dynamic")
+                   "ort-dynamic")
     assert again.exit_code == 0, again.stderr
     named = invoke("--artifacts-dir", str(tmp_path), "--run", run_name, "--quiet", *FAST_REPORT)
     assert named.exit_code == 0, named.stderr
     report = json.loads(report_md.with_name("report.json").read_text())
-    assert "torch-dynamic" in [m["name"] for m in report["models"]]
+    assert "ort-dynamic" in [m["name"] for m in report["models"]]
 
 
 def test_config_file_fills_in_and_flags_win(tmp_path):
@@ -112,8 +119,9 @@ def test_installed_command_runs_the_whole_chain(tmp_path):
     command = shutil.which("pipeline", path=str(Path(sys.executable).parent))
     assert command, "the console script 'pipeline' is not installed beside this python"
     env = os.environ | {"PIPELINE_ARTIFACTS_DIR": str(tmp_path)}
-    proc = subprocess.run([command, *TINY, "quantize", "--calibration-samples", "64",
-                           *FAST_REPORT], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([command, *TINY, "quantize", "--methods", "ort-static",
+                           "--calibration-samples", "64", *FAST_REPORT], capture_output=True,
+                          text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("report: ") and Path(last.removeprefix("report: ")).is_file()
@@ -126,7 +134,7 @@ def test_installed_command_runs_the_whole_chain(tmp_path):
 def test_compare_and_the_speedup_gate(tmp_path):
     base = ["--artifacts-dir", str(tmp_path), "--quiet"]
     for name in ("one", "two"):
-        result = invoke(*base, "--run", name, *TINY, "quantize", "--methods", "torch-static",
+        result = invoke(*base, "--run", name, *TINY, "quantize", "--methods", "ort-static",
                         "--calibration-samples", "64", *FAST_REPORT)
         assert result.exit_code == 0, result.stderr
     compared = invoke(*base, "--run", "two", *FAST_REPORT, "--compare", "one")
@@ -134,7 +142,7 @@ def test_compare_and_the_speedup_gate(tmp_path):
     compare_md = tmp_path / "runs" / "two" / "report" / "compare.md"
     assert f"compare: {compare_md}" in compared.stdout
     text = compare_md.read_text()
-    assert "| variant | `two` | `one` |" in text and "| `torch-static` |" in text
+    assert "| variant | `two` | `one` |" in text and "| `ort-static` |" in text
 
     missing = invoke(*base, "--run", "two", *FAST_REPORT, "--compare", "three")
     assert missing.exit_code == 2 and "run 'three' does not exist" in missing.stderr
