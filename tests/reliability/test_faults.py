@@ -2,10 +2,12 @@
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +19,13 @@ from stages import artifacts, train
 from stages.errors import PipelineError
 from tests.conftest import TINY_TRAIN
 
-BIG_CHECKPOINTS = ["train", "--model", "resnet18", "--image-size", "8", "--batch-size", "32",
-                   "--epochs", "2", "--no-baseline", "--checkpoint-every", "1"]
+# resnet18 in fp32 at 16x16 (a configuration far from the numerical edge), checkpointed
+# after every step: most of the time goes to writing 90 MB checkpoints.
+BIG_CHECKPOINTS = ["train", "--model", "resnet18", "--image-size", "16", "--batch-size", "32",
+                   "--epochs", "1", "--no-baseline", "--precision", "fp32", "--lr", "0.02",
+                   "--checkpoint-every", "1", "--keep-checkpoints", "2", "--no-measure-memory"]
+TINY_CLI = ["--quiet", "train", "--model", "smallcnn", "--image-size", "8", "--epochs", "1",
+            "--no-measure-memory"]
 
 
 def _pipeline(tmp_path, *args):
@@ -39,39 +46,59 @@ def _check_nothing_half_written(run_root):
         artifacts.load_checkpoint(path)  # every file under a real name is whole
 
 
+def _kill_inside_a_write(proc, folder, deadline):
+    """SIGKILL the moment a temporary checkpoint file is being written; True if it was."""
+    while time.monotonic() < deadline and proc.poll() is None:
+        partial = [p for p in folder.glob(".checkpoint-*.tmp") if p.stat().st_size > 1 << 20]
+        if partial:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return True
+        time.sleep(0.002)
+    proc.kill()
+    proc.wait()
+    return False
+
+
 def test_sigkill_during_checkpoint_writes_loses_nothing(tmp_path):
-    """resnet18 with a checkpoint after every step: most of the time goes to writing 90 MB
-    checkpoints, so the kills land in writes; after each, every file is whole and resume works."""
+    """Three kills, each while a checkpoint is half written (its temporary file on disk, over
+    1 MB and growing); after each, every listed file is whole and --resume goes on."""
     run_root = tmp_path / "runs" / "kills"
-    for attempt, delay in enumerate((0.4, 0.9, 0.2)):
+    folder = run_root / "train" / "amp"
+    for attempt in range(3):
         args = BIG_CHECKPOINTS if attempt == 0 else ["train", "--resume"]
-        proc = subprocess.Popen(_pipeline(tmp_path, "--run", "kills", *args))
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and proc.poll() is None:
-            if any(e.get("step") for e in _listed(run_root).values()):
-                break
-            time.sleep(0.01)
-        time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc = subprocess.Popen(_pipeline(tmp_path, "--run", "kills", *args),
+                                stderr=subprocess.PIPE)
+        landed = _kill_inside_a_write(proc, folder, time.monotonic() + 240)
+        assert landed, f"attempt {attempt}: no kill landed inside a write"
+        assert proc.returncode == -signal.SIGKILL
+        assert list(folder.glob(".checkpoint-*.tmp"))  # the half-written file, not renamed
         _check_nothing_half_written(run_root)
     finished = subprocess.run(_pipeline(tmp_path, "--run", "kills", "train", "--resume"),
                               capture_output=True, text=True, timeout=600)
     assert finished.returncode == 0, finished.stderr[-2000:]
     _check_nothing_half_written(run_root)
-    assert not list((run_root / "train" / "amp").glob(".*.tmp"))  # resume cleared leftovers
+    assert not list(folder.glob(".*.tmp"))  # resume cleared leftovers
     assert "amp" in _listed(run_root)
 
 
-class _Faulty(torch.utils.data.Dataset):
-    """Wraps a data set; inside a worker, item ``at`` kills the worker or makes it hang."""
+# Runs in a process of its own, as a user's failed run does: torch's DataLoader leaves its
+# SIGCHLD handler installed after a worker dies, and a later torch.compile in the same process
+# (Inductor starts compile workers) then crashed the test process here.
+FAULTY_WORKER = '''
+import os, signal, sys, time
+import torch
+from pipeline.config import TrainConfig
+from stages import artifacts, train
+from stages.errors import PipelineError
+from tests.conftest import TINY_TRAIN
 
+class Faulty(torch.utils.data.Dataset):
+    """Wraps a data set; inside a worker, item `at` kills the worker or makes it hang."""
     def __init__(self, inner, at, fault):
         self.inner, self.at, self.fault = inner, at, fault
-
     def __len__(self):
         return len(self.inner)
-
     def __getitem__(self, index):
         if torch.utils.data.get_worker_info() is not None and index == self.at:
             if self.fault == "die":
@@ -79,33 +106,44 @@ class _Faulty(torch.utils.data.Dataset):
             time.sleep(30)
         return self.inner[index]
 
+real_load = train.load_splits
+def faulty_splits(config):
+    splits = real_load(config)
+    sampler = train.EpochSampler(len(splits.train), config.seed)
+    sampler.set_epoch(1)
+    order = list(sampler)
+    splits.train = Faulty(splits.train, order[10 * 64 + 5], sys.argv[2])  # epoch 1, step 11
+    return splits
+
+train.load_splits = faulty_splits
+run = artifacts.create_run(sys.argv[1], "workers")
+config = TrainConfig(**TINY_TRAIN | {"baseline": False, "workers": 1, "loader_timeout": 2,
+                                     "checkpoint_every": 5})
+try:
+    train.run(config, run)
+except PipelineError as exc:
+    print(exc)
+    sys.exit(3)
+'''
+
 
 @pytest.mark.parametrize("fault", ["die", "hang"])
-def test_a_dead_or_hung_worker_is_a_clear_error_and_checkpoints_stay(tmp_path, monkeypatch,
-                                                                     fault):
-    real_load = train.load_splits
-
-    def faulty_splits(config):
-        splits = real_load(config)
-        sampler = train.EpochSampler(len(splits.train), config.seed)
-        sampler.set_epoch(1)
-        order = list(sampler)
-        splits.train = _Faulty(splits.train, order[10 * 64 + 5], fault)  # epoch 1, step 11
-        return splits
-
-    monkeypatch.setattr(train, "load_splits", faulty_splits)
-    run = artifacts.create_run(tmp_path, "workers")
-    config = TrainConfig(**TINY_TRAIN | {"baseline": False, "workers": 1, "loader_timeout": 2,
-                                         "checkpoint_every": 5})
+def test_a_dead_or_hung_worker_is_a_clear_error_and_checkpoints_stay(tmp_path, fault):
+    proc = subprocess.run([sys.executable, "-c", FAULTY_WORKER, str(tmp_path), fault],
+                          capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 3, proc.stderr[-2000:]
     # The loader notices a death by signal, a hang by its timeout: a step or two either way.
-    with pytest.raises(PipelineError, match=r"DataLoader worker died or hung at epoch 1 step "
-                                            r"(9|10|11|12)\b.*are intact"):
-        train.run(config, run)
+    assert re.search(r"DataLoader worker died or hung at epoch 1 step (9|10|11|12)\b.*are intact",
+                     proc.stdout), proc.stdout
+    run = artifacts.open_run(tmp_path, "workers")
     assert run.verified_path("amp/checkpoint-step0000005")  # written before; still whole
     assert "amp" not in run.artifacts()
 
 
-def test_an_artifacts_path_that_cannot_hold_runs_is_a_clear_error(tmp_path):
+def test_an_artifacts_path_that_cannot_hold_runs_is_a_clear_error(tmp_path, monkeypatch):
+    """A file where the folder should be, and a folder whose writes fail with EROFS as a
+    read-only mount's do (the tests run as root, whom file modes do not stop)."""
     in_the_way = tmp_path / "a-file"
     in_the_way.write_text("not a folder")
     result = CliRunner().invoke(cli, ["--artifacts-dir", str(in_the_way), *TINY_CLI])
@@ -113,40 +151,121 @@ def test_an_artifacts_path_that_cannot_hold_runs_is_a_clear_error(tmp_path):
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("pipeline: error:") and str(in_the_way) in line
 
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    real_mkdir = os.mkdir
 
-TINY_CLI = ["--quiet", "train", "--model", "smallcnn", "--image-size", "8", "--epochs", "1"]
+    def mkdir(path, *args, **kwargs):
+        if str(path).startswith(str(read_only)):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_mkdir(path, *args, **kwargs)
 
-
-def test_a_full_disk_fails_at_the_write_and_marks_the_stage_failed(tmp_path, monkeypatch):
-    real_save = torch.save
-    calls = {"n": 0}
-
-    def save(obj, f, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            real_save(obj, f, *args, **kwargs)  # a partial file, as a full disk leaves it
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_save(obj, f, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "save", save)
-    result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "--run", "full",
-                                      *TINY_CLI])
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    result = CliRunner().invoke(cli, ["--artifacts-dir", str(read_only), *TINY_CLI])
     assert result.exit_code == 1
     line = result.stderr.strip().splitlines()[-1]
-    assert "failed: No space left on device" in line and "nothing was written" in line
+    assert "Read-only file system" in line and str(read_only) in line
+    assert list(read_only.iterdir()) == []
+
+
+def test_a_disk_that_fails_every_write_marks_the_stage_failed(tmp_path, monkeypatch):
+    """Once the stage is running, every new file fails with ENOSPC, the manifest's included:
+    the stage still ends `failed` (written over the manifest's own bytes), never `running`."""
+    failing = {"on": False}
+    real_mark, real_mkstemp = artifacts.Run.mark_stage, artifacts.tempfile.mkstemp
+
+    def mark_stage(self, stage, status, detail=None):
+        real_mark(self, stage, status, detail)
+        failing["on"] = failing["on"] or status == "running"
+
+    def mkstemp(*args, **kwargs):
+        if failing["on"]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_mkstemp(*args, **kwargs)
+
+    monkeypatch.setattr(artifacts.Run, "mark_stage", mark_stage)
+    monkeypatch.setattr(artifacts.tempfile, "mkstemp", mkstemp)
+    result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "--run", "full",
+                                      *TINY_CLI])
+    line = result.stderr.strip().splitlines()[-1]
+    assert result.exit_code == 1
+    assert "No space left on device" in line and "MB free in" in line
     run = artifacts.open_run(tmp_path, "full")
     assert run.manifest()["stages"]["train"]["status"] == "failed"
+    assert "No space left on device" in run.manifest()["stages"]["train"]["error"]
     _check_nothing_half_written(run.root)
     assert not [p for p in run.root.rglob("*.tmp")]
 
 
-def test_two_runs_started_at_once_keep_apart(tmp_path):
-    procs = [subprocess.Popen(_pipeline(tmp_path, *TINY_CLI[1:]), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+REAL_LIMIT = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write with EFBIG instead of dying
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.RLIM_INFINITY))
+sys.argv = ["pipeline"] + sys.argv[2:]
+from pipeline.cli import main
+main()
+"""
+
+
+def _limited(tmp_path, limit: int, *args):
+    return subprocess.run([sys.executable, "-c", REAL_LIMIT, str(limit), "--artifacts-dir",
+                           str(tmp_path), "--quiet", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_a_write_the_operating_system_refuses_is_named_with_what_to_do(tmp_path):
+    """A file size limit makes the kernel refuse writes past it (EFBIG), as a full disk
+    refuses them (ENOSPC): the checkpoint, then the ONNX file, fail for real."""
+    proc = _limited(tmp_path, 150_000, "--run", "limited", "train", "--model", "smallcnn",
+                    "--image-size", "8", "--epochs", "1", "--no-baseline")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("pipeline: error: writing ") and "checkpoint-step" in line
+    assert "File too large" in line and "file size limit of this process is 0.15 MB" in line
+    assert "nothing was written under that name" in line
+    run = artifacts.open_run(tmp_path, "limited")
+    assert run.manifest()["stages"]["train"]["status"] == "failed"
+    _check_nothing_half_written(run.root)
+    assert not list(run.root.rglob("*.tmp"))
+
+    run = artifacts.create_run(tmp_path, "onnx")
+    train.run(TrainConfig(**TINY_TRAIN | {"epochs": 1, "baseline": False}), run)
+    size = run.manifest_path.stat().st_size + 8192
+    proc = _limited(tmp_path, size, "--run", "onnx", "quantize", "--methods", "onnx-fp32")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    # The exporter keeps no errno, only how many bytes it wrote: said as a short write.
+    assert line.startswith("pipeline: error: writing ") and "model.onnx failed" in line
+    assert "File too large" in line or "fewer bytes than were written" in line
+    assert run.manifest()["stages"]["quantize"]["status"] == "failed"
+    assert "onnx-fp32" not in run.artifacts()
+    assert not (run.root / "quantize" / "model.onnx").exists()
+
+
+def test_a_checkpoint_that_cannot_fit_is_refused_before_it_is_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(artifacts.shutil, "disk_usage",
+                        lambda path: type("Usage", (), {"free": 5 << 20})())
+    with pytest.raises(PipelineError, match=r"not enough space in .* for model.pt: 5.24 MB free, "
+                                            r"it needs about 45 MB"):
+        artifacts.atomic_torch_save({"w": torch.zeros(11_175_000)}, tmp_path / "model.pt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_two_runs_started_at_once_in_the_same_second_keep_apart(tmp_path):
+    """Both ask for the same timestamp name (the clock is frozen for them): one gets it,
+    the other a suffixed one; neither overwrites the other."""
+    frozen = ("import sys\n"
+              "from stages import artifacts\n"
+              "artifacts.timestamp_name = lambda: '20261130-120000'\n"
+              "sys.argv = ['pipeline'] + sys.argv[1:]\n"
+              "from pipeline.cli import main\nmain()\n")
+    procs = [subprocess.Popen([sys.executable, "-c", frozen, "--artifacts-dir", str(tmp_path),
+                               *TINY_CLI], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
     for proc in procs:
         assert proc.wait(timeout=300) == 0, proc.stderr.read()[-1000:]
     runs = artifacts.list_runs(tmp_path)
-    assert len(runs) == 2
+    assert sorted(runs) == ["20261130-120000", "20261130-120000-2"]
     for name in runs:
         run = artifacts.open_run(tmp_path, name)
         assert run.manifest()["stages"]["train"]["status"] == "complete"
