@@ -207,10 +207,20 @@ def _available_memory(device) -> int | None:
     return None
 
 
+# Sizes at which a model trains but a runtime of the chain cannot take it (each found by
+# running the chain; tests/stages/test_families.py keeps them true).
+CHAIN_MIN_SIZE = {"googlenet": (32, "OpenVINO cannot convert the ceil-mode 3x3 max-pool that "
+                                    "meets a 2x2 map at smaller sizes")}
+
+
 def check_model_fits(name: str, num_classes: int, in_channels: int, image_size: int,
                      batch_size: int, device, dataset_bytes: int = 0) -> None:
     """Refuse, before any data is read, a model that cannot train at this image size (its
     layers do not fit the size, or its memory does not fit the machine), saying what would."""
+    if name in CHAIN_MIN_SIZE and image_size < CHAIN_MIN_SIZE[name][0]:
+        smallest, reason = CHAIN_MIN_SIZE[name]
+        raise UsageError(f"--model {name} at {image_size}x{image_size}: {reason}; use "
+                         f"--image-size {smallest} or larger")
     try:
         probe = _meta_forward(name, num_classes, in_channels, image_size)
     except PipelineError:
