@@ -18,6 +18,7 @@ import torch
 
 from pipeline.config import TrainConfig
 from stages import artifacts, train
+from stages.data import load_splits
 from stages.models import build_model
 from stages.precision import Precision, autocast, resolve_device
 
@@ -53,7 +54,7 @@ def main() -> None:
     config = TrainConfig(model=args.model, epochs=args.epochs, batch_size=args.batch_size,
                          precision=args.precision, baseline=False, quiet=True)
     device = resolve_device("auto")
-    splits = train.load_splits(config)
+    splits = load_splits(config)
     bare = bare_loop(config, splits, Precision(args.precision), device)
     with tempfile.TemporaryDirectory() as folder:
         run = artifacts.create_run(Path(folder), "bench")

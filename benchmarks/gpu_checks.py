@@ -1,0 +1,198 @@
+"""The checks that need a GPU, in one go (issue 9): run it on a CUDA machine.
+
+    .venv/bin/python benchmarks/gpu_checks.py [--out DIR]
+
+1. AMP against fp32 on resnet18 at 224x224 (the digits, upsampled): training samples per second
+   and the allocator's peak memory of each, from one `pipeline train` run (both models, same
+   seed and data order).
+2. `--deterministic` on CUDA: two runs of the same configuration end with the same weights.
+3. A run started in bf16 on the CPU and resumed on CUDA keeps bf16 (what it was started with).
+4. The default chain, `pipeline train quantize report`, with training on CUDA.
+5. Two-GPU DDP through torchrun, where there are two GPUs; and one rank that fails makes every
+   rank exit non-zero promptly.
+
+Each check prints one line (PASS/FAIL and its numbers); all of them go to DIR/gpu_checks.json.
+Exit status 1 if any check failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PIPELINE = [sys.executable, "-m", "pipeline"]
+
+
+def sh(args: list[str], env: dict | None = None, timeout: int = 1800) -> tuple[int, str, float]:
+    started = time.perf_counter()
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+                          env=os.environ | (env or {}))
+    return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - started
+
+
+def manifest(artifacts: Path, run: str) -> dict:
+    return json.loads((artifacts / "runs" / run / "manifest.json").read_text())
+
+
+def training_results(artifacts: Path, run: str) -> dict:
+    """The train stage's per-model results as the report reads them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from stages.artifacts import open_run
+
+    opened = open_run(artifacts, run)
+    return {name: opened.entry(name).get("training", {}) for name in ("fp32", "amp")}
+
+
+def amp_speed_and_memory(artifacts: Path) -> dict:
+    code, out, seconds = sh(PIPELINE + ["--artifacts-dir", str(artifacts), "--run", "amp224",
+                                        "--device", "cuda", "--quiet", "train", "--model",
+                                        "resnet18", "--image-size", "224", "--epochs", "2",
+                                        "--batch-size", "128"])
+    if code != 0:
+        return {"ok": False, "error": out[-2000:]}
+    results = training_results(artifacts, "amp224")
+    fp32, amp = results["fp32"], results["amp"]
+    return {"ok": amp["samples_per_second"] > fp32["samples_per_second"]
+            and amp["peak_memory_bytes"] < fp32["peak_memory_bytes"],
+            "precision": amp.get("precision"), "seconds": seconds,
+            "fp32_samples_per_second": fp32["samples_per_second"],
+            "amp_samples_per_second": amp["samples_per_second"],
+            "speedup": amp["samples_per_second"] / fp32["samples_per_second"],
+            "fp32_peak_memory_mb": fp32["peak_memory_bytes"] / 1e6,
+            "amp_peak_memory_mb": amp["peak_memory_bytes"] / 1e6}
+
+
+def deterministic(artifacts: Path) -> dict:
+    digests = []
+    for name in ("det-a", "det-b"):
+        code, out, _ = sh(PIPELINE + ["--artifacts-dir", str(artifacts), "--run", name,
+                                      "--device", "cuda", "--quiet", "train", "--epochs", "2",
+                                      "--no-baseline", "--deterministic"])
+        if code != 0:
+            return {"ok": False, "error": out[-2000:]}
+        digests.append(manifest(artifacts, name)["artifacts"]["amp"]["sha256"])
+    return {"ok": digests[0] == digests[1], "sha256": digests}
+
+
+def cpu_bf16_resumed_on_cuda(artifacts: Path) -> dict:
+    """Start in bf16 on the CPU, kill it once a checkpoint is listed, resume on CUDA."""
+    args = PIPELINE + ["--artifacts-dir", str(artifacts), "--run", "moved", "--device", "cpu",
+                       "--quiet", "train", "--epochs", "3", "--no-baseline", "--precision",
+                       "bf16", "--checkpoint-every", "5", "--no-measure-memory"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        path = artifacts / "runs" / "moved" / "manifest.json"
+        if path.is_file() and '"amp/checkpoint-step' in path.read_text():
+            break
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    code, out, _ = sh(PIPELINE + ["--artifacts-dir", str(artifacts), "--run", "moved",
+                                  "--device", "cuda", "--quiet", "train", "--resume"])
+    if code != 0:
+        return {"ok": False, "error": out[-2000:]}
+    result = training_results(artifacts, "moved")["amp"]
+    return {"ok": result.get("precision") == "bf16" and result.get("resumed_from") is not None,
+            "precision_after_resume": result.get("precision"),
+            "device_after_resume": result.get("device"), "resumed_from": result.get("resumed_from")}
+
+
+def default_chain(artifacts: Path) -> dict:
+    code, out, seconds = sh(PIPELINE + ["--artifacts-dir", str(artifacts), "--run", "chain",
+                                        "--device", "cuda", "train", "quantize", "report"])
+    report = artifacts / "runs" / "chain" / "report" / "report.json"
+    if code != 0 or not report.is_file():
+        return {"ok": False, "error": out[-2000:]}
+    data = json.loads(report.read_text())
+    return {"ok": True, "seconds": seconds, "recommended": data["verdict"]["recommended"],
+            "training": {k: {"precision": v.get("precision"),
+                             "samples_per_second": v.get("samples_per_second")}
+                         for k, v in data["training"].items()}}
+
+
+def ddp(artifacts: Path) -> dict:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return {"ok": None, "skipped": f"{torch.cuda.device_count()} GPU(s); DDP needs two"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", "2", "-m", "pipeline"]
+    code, out, seconds = sh(torchrun + ["--artifacts-dir", str(artifacts), "--quiet",
+                                        "train", "--epochs", "2"], env={"PIPELINE_RUN": "ddp"})
+    if code != 0:
+        return {"ok": False, "error": out[-2000:]}
+    world = training_results(artifacts, "ddp")["amp"].get("world_size")
+    # One rank raises in its third forward pass: every rank must exit non-zero, promptly.
+    failing = Path(artifacts).parent / "failing.py"
+    failing.write_text(FAILING_RANK)
+    started = time.perf_counter()
+    failed, _, _ = sh(torchrun + ["--artifacts-dir", str(artifacts), "--quiet", "train",
+                                  "--model", "failing:net", "--image-size", "8", "--epochs", "1",
+                                  "--no-baseline"],
+                      env={"PIPELINE_RUN": "ddp-fail", "PYTHONPATH": str(failing.parent)},
+                      timeout=600)
+    return {"ok": world == 2 and failed != 0, "world_size": world, "seconds": seconds,
+            "one_rank_failing_exit": failed,
+            "one_rank_failing_seconds": time.perf_counter() - started}
+
+
+FAILING_RANK = """
+import os
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self, num_classes, in_channels):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(in_channels, 8, 3), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.training and os.environ.get("RANK") == "1" and self.calls == 3:
+            raise RuntimeError("rank 1 fails on purpose")
+        return self.body(x)
+
+
+def net(num_classes, in_channels):
+    return Net(num_classes, in_channels)
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("gpu_checks: no CUDA device here; run this on a machine with a GPU")
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    with tempfile.TemporaryDirectory() as scratch:
+        artifacts = Path(scratch) / "artifacts"
+        for check in (amp_speed_and_memory, deterministic, cpu_bf16_resumed_on_cuda,
+                      default_chain, ddp):
+            try:
+                results[check.__name__] = check(artifacts)
+            except Exception as exc:  # one broken check must not hide the others' numbers
+                results[check.__name__] = {"ok": False, "error": repr(exc)}
+            outcome = results[check.__name__]
+            word = {True: "PASS", False: "FAIL", None: "SKIP"}[outcome["ok"]]
+            print(f"{word} {check.__name__}: "
+                  f"{json.dumps({k: v for k, v in outcome.items() if k != 'ok'})[:400]}",
+                  flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_checks.json").write_text(json.dumps(results, indent=2))
+    sys.exit(1 if any(isinstance(v, dict) and v.get("ok") is False
+                      for v in results.values()) else 0)
+
+
+if __name__ == "__main__":
+    main()
