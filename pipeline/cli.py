@@ -246,10 +246,10 @@ def _common(ctx: click.Context, flags: dict, *keys: str) -> dict:
 @click.option("--resume", is_flag=True, help="Continue the latest run (or --run NAME) from its "
               "newest good checkpoint, with the configuration it was started with.")
 @_data_options
-@click.option("--epochs", type=int, help="[default: 10]")
+@click.option("--epochs", type=int, help="[default: 5]")
 @click.option("--batch-size", type=int, help="[default: 64]")
 @click.option("--lr", type=float, help="Peak learning rate of SGD (cosine, warm-up).  "
-              "[default: 0.05]")
+              "[default: 0.02]")
 @click.option("--weight-decay", type=float, help="[default: 5e-4]")
 @click.option("--label-smoothing", type=float, help="[default: 0]")
 @click.option("--grad-clip", type=float, help="Max gradient norm, 0 for none (clips after "

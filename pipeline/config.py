@@ -86,9 +86,9 @@ class TrainConfig:
     val_fraction: float = 0.1
     image_size: int = 32
     in_channels: int | None = None  # None: the data's own (1 for grey, 3 for colour)
-    epochs: int = 10
+    epochs: int = 5
     batch_size: int = 64
-    lr: float = 0.05
+    lr: float = 0.02
     weight_decay: float = 5e-4
     label_smoothing: float = 0.0
     grad_clip: float = 0.0
@@ -178,7 +178,7 @@ class QatConfig:
     """Quantization-aware fine-tuning of the run's float model (torchao PT2E QAT)."""
 
     epochs: int = 3
-    lr: float = 0.005  # a tenth of training's peak: fine-tuning, not training again
+    lr: float = 0.005  # a quarter of training's default peak: fine-tuning, not training again
     batch_size: int = 64
     freeze_bn_after: int = 1  # epochs; then BatchNorm uses its running statistics
     freeze_observers_after: int = 2  # epochs; then the quantization ranges stay fixed

@@ -42,13 +42,13 @@ def describe_known() -> str:
 def check_model_name(name: str) -> None:
     """Refuse a --model that cannot name a model, listing what can; imports nothing of the
     user's (that happens when the model is built)."""
-    if name in BUILTIN_MODELS or USER_MODEL.match(name):
-        return
-    if name.startswith("timm:"):
+    if name.startswith("timm:"):  # before the user-factory pattern, which it also matches
         timm = _timm()
         if name[5:] not in timm.list_models():
             raise ValueError(f"--model {name!r}: timm has no model {name[5:]!r}; see "
                              "timm.list_models()")
+        return
+    if name in BUILTIN_MODELS or USER_MODEL.match(name):
         return
     if name not in torchvision_models():
         raise ValueError(f"--model {name!r} is not one of: {describe_known()}")

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 from pipeline.config import QatConfig, QuantizeConfig, ReportConfig, TrainConfig  # noqa: E402
 
-TINY_TRAIN = dict(model="smallcnn", image_size=8, epochs=2, batch_size=64, quiet=True,
+TINY_TRAIN = dict(model="smallcnn", image_size=8, epochs=2, batch_size=64, lr=0.05, quiet=True,
                   measure_memory=False)
 # Batch 32 is also the batch compiled models score in: one graph each to build.
 TINY_REPORT = dict(batch_sizes=(1, 32), warmup=1, rounds=5, repeats=4, quiet=True)
