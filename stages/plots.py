@@ -94,8 +94,9 @@ def speedup_and_size(rows: list[dict], reference: str, path: Path) -> None:
                    for x in ratios]
         ax.barh(names, values, xerr=errors, color=colours, capsize=2)
         ax.axvline(1.0, color="black", linewidth=0.8)
-        for i, v in enumerate(values):
-            ax.text(v, i, f" {v:.2f}x", va="center", fontsize=7)
+        for i, (v, x) in enumerate(zip(values, ratios)):  # beyond the whisker, not on it
+            ax.text(max(v, x["high"]), i, f" {v:.2f}x", va="center", fontsize=7)
+        ax.set_xlim(0, max(x["high"] for x in ratios) * 1.18)
         ax.set_title(f"speed-up vs fastest float, batch {size}", fontsize=9)
         ax.invert_yaxis()
     sizes_ratio = [r["size_bytes"] / ref["size_bytes"] for r in rows]
@@ -105,6 +106,7 @@ def speedup_and_size(rows: list[dict], reference: str, path: Path) -> None:
     ax.axvline(1.0, color="black", linewidth=0.8)
     for i, v in enumerate(sizes_ratio):
         ax.text(v, i, f" {v:.2f}x", va="center", fontsize=7)
+    ax.set_xlim(0, max(sizes_ratio) * 1.18)
     ax.set_title(f"size vs {reference}", fontsize=9)
     ax.invert_yaxis()
     fig.tight_layout()
