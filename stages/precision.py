@@ -49,7 +49,7 @@ NATIVE_BF16 = ("avx512_bf16", "amx_bf16")
 def resolve_precision(precision: str, device) -> Precision:
     """auto: float16 with GradScaler on CUDA (tensor cores); on a CPU, bfloat16 where the CPU
     has bf16 instructions (AVX-512 BF16, AMX), else float32: elsewhere bf16 is emulated, and
-    resnet18 on the digits trained about 5x slower in it than in fp32 on the AMD EPYC here."""
+    the small test model trained about 6x slower in it than in fp32 on the AMD EPYC here."""
     if precision != "auto":
         return Precision(precision)
     if device.type == "cuda":
