@@ -167,3 +167,23 @@ def test_ort_qat_is_kept_only_where_onnx_runtime_agrees_with_torch_qat(tiny_run)
 def test_quantize_records_what_it_chose_from(tiny_run):
     config = json.loads((tiny_run["run"].root / "config.json").read_text())
     assert config["quantize"]["source"] == "amp" and config["qat"]["source"] == "amp"
+
+
+def test_auto_goes_on_to_qat_only_when_every_post_training_variant_misses_the_budget():
+    from types import SimpleNamespace
+
+    from stages.quantize import post_training_verdict
+
+    def run_with(drops):
+        entries = {name: {"quantization": {"tuning": {"chosen": {"drop_points": drop}}}}
+                   for name, drop in drops.items()}
+        entries["onnx-fp32"] = {"quantization": {}}
+        return SimpleNamespace(entry=entries.__getitem__)
+
+    names = ["torch-static", "onnx-fp32", "ort-static"]
+    met, why = post_training_verdict(run_with({"torch-static": 2.5, "ort-static": 0.4}), names, 1.0)
+    assert met and why.startswith("ort-static kept within 1 point(s)")
+    met, why = post_training_verdict(run_with({"torch-static": 2.5, "ort-static": 1.2}), names, 1.0)
+    assert not met
+    assert why == ("no post-training configuration kept within 1 point(s) of the float model on "
+                   "the validation images (ort-static -1.20, torch-static -2.50 points)")
