@@ -42,7 +42,7 @@ def test_a_users_model_trains_quantizes_and_is_rebuilt_from_the_manifest(tmp_pat
     project.mkdir()
     (project / "usernets.py").write_text(USER_MODULE)
     proc = _pipeline(tmp_path, "--run", "mine", "train", "--model", "usernets:tiny",
-                     "--image-size", "8", "--epochs", "2", "--precision", "fp32",
+                     "--image-size", "8", "--epochs", "2", "--lr", "0.05", "--precision", "fp32",
                      "--no-measure-memory", *QUICK[:2], "torch-static,ort-static", *QUICK[3:],
                      cwd=project)
     assert proc.returncode == 0, proc.stderr[-2000:]
