@@ -1,6 +1,6 @@
 """Every variant of a run, timed the report's way, as the table in issue 10 and DESIGN.md.
 
-    .venv/bin/python benchmarks/runtimes.py [--run NAME] [--artifacts-dir artifacts] [--rounds 8]
+    .venv/bin/python benchmarks/runtimes.py [--run NAME] [--artifacts-dir artifacts] [--rounds 8] [--repeats 4]
 
 Re-measures the run (the latest by default) with the report's harness: one process, every
 variant timed in each round with the order rotated, garbage collection off, the same number of
@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--run", default=None, help="run name (default: the latest)")
     parser.add_argument("--artifacts-dir", type=Path, default=Path("artifacts"))
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=4, help="timed calls per round")
     parser.add_argument("--threads", type=int, default=0, help="0: the machine's cores, at most 8")
     args = parser.parse_args()
     original = open_run(args.artifacts_dir, args.run)
@@ -47,8 +48,8 @@ def main() -> None:
         copy = Path(scratch) / "runs" / original.name
         shutil.copytree(original.root, copy, ignore=shutil.ignore_patterns("report"))
         run = open_run(Path(scratch), original.name)
-        config = ReportConfig(batch_sizes=(1, 32), rounds=args.rounds, threads=args.threads,
-                              quiet=True)
+        config = ReportConfig(batch_sizes=(1, 32), rounds=args.rounds, repeats=args.repeats,
+                              threads=args.threads, quiet=True)
         result = report.run(config, run)
     env = result["environment"]
     print(f"run {original.name}: {env['cpu']['model']}, {result['config']['threads']} threads, "
