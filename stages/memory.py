@@ -9,7 +9,8 @@ class PeakMemory:
     """Context manager; ``peak`` is in bytes once the block ends.
 
     On CPU the process high-water mark (ru_maxrss) never goes down, so the second model trained
-    in one process would inherit the first one's peak; sampling /proc/self/statm does not.
+    in one process would inherit the first one's peak: /proc/self/statm is sampled, and the
+    high-water mark is used only when this block raised it (as it does in a fresh process).
     """
 
     def __init__(self, device):
@@ -28,6 +29,12 @@ class PeakMemory:
         except OSError:
             return 0
 
+    @staticmethod
+    def _high_water() -> int:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
     def _sample(self) -> None:
         while not self._stop.wait(0.02):
             self.peak = max(self.peak, self._rss() - self._start)
@@ -39,6 +46,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             self._start = self._rss()
+            self._high_water_start = self._high_water()
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
         return self
@@ -52,3 +60,8 @@ class PeakMemory:
             self._stop.set()
             self._thread.join()
             self.peak = max(self.peak, self._rss() - self._start, 0)
+            # Sampling can miss a short peak; the process's high-water mark cannot. It says
+            # something about this block only if the block raised it.
+            high_water = self._high_water()
+            if high_water > self._high_water_start:
+                self.peak = max(self.peak, high_water - self._start)

@@ -81,7 +81,7 @@ def test_choose_prefers_the_fastest_within_budget_and_says_when_none_fits():
 
 def test_dynamic_int8_makes_a_linear_heavy_model_smaller_with_int8_linear_layers(tmp_path):
     run = artifacts.create_run(tmp_path, "mixer")
-    train.run(TrainConfig(model="mixer", epochs=1, baseline=False, measure_memory=False,
+    train.run(TrainConfig(model="mixer", epochs=1, lr=0.05, baseline=False, measure_memory=False,
                           quiet=True), run)
     quantize.run(QuantizeConfig(methods="torch-dynamic,ort-dynamic", quiet=True), run)
     assert run.shipped_bytes("torch-dynamic") < 0.35 * run.shipped_bytes("amp")
