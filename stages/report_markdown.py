@@ -125,6 +125,14 @@ def amp_sentence(training: dict, rows: list[dict]) -> str:
         return "Train with the fp32 baseline to compare AMP training against fp32."
     fp32, amp = training["fp32"], training["amp"]
     smallest = min(rows, key=lambda r: r["size_bytes"])
+    if fp32.get("same_run_as") == "amp":
+        return (f"`amp` trained in fp32 here (autocast resolved to fp32: a CPU without bf16 "
+                f"instructions, or --precision fp32), so it is the fp32 baseline's computation "
+                f"and was trained once; `fp32` is a copy of it. Its master weights are fp32 "
+                f"either way ({amp['model_bytes'] / 1e6:.2f} MB); quantization is what shrinks "
+                f"the model (`{smallest['name']}`: "
+                f"{smallest['size_bytes'] / fp32['model_bytes']:.2f}x). Train with --precision "
+                "bf16 to compare mixed-precision training on this machine.")
     memory = ""
     if fp32["peak_memory_bytes"] and amp["peak_memory_bytes"]:
         memory = (f" Training memory: {amp['peak_memory_bytes'] / 1e6:.0f} MB against "

@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -22,7 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from stages import distributed
-from stages.artifacts import Run, atomic_torch_save, atomic_write_text, remove_stale_temporaries
+from stages.artifacts import (Run, atomic_torch_save, atomic_write, atomic_write_text,
+                              remove_stale_temporaries)
 from stages.bench import isa
 from stages.checkpoints import (Checkpointer, best_weights, newest_good_checkpoint, restore_rng,
                                 rng_state, weights_digest)
@@ -500,7 +502,11 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
         run.record_config("train", asdict(config) | {"resolved_precision": precision.name,
                                                      "resolved_device": str(device),
                                                      "world_size": world.world_size})
-    variants = ([("fp32", Precision("fp32"))] if config.baseline else []) + [("amp", precision)]
+    # Where autocast resolves to fp32, `amp` is the baseline's computation step for step (same
+    # seed, data order and hyperparameters): it is trained once and fp32 is listed as its copy.
+    baseline_is_amp = config.baseline and precision.name == "fp32"
+    trained_baseline = config.baseline and not baseline_is_amp
+    variants = ([("fp32", Precision("fp32"))] if trained_baseline else []) + [("amp", precision)]
     results = []
     deterministic_before = torch.are_deterministic_algorithms_enabled()
     set_deterministic(config.deterministic or deterministic_before, device)
@@ -517,12 +523,39 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
                                          baseline_finite))
     finally:  # later stages in the same chain may use ops with no deterministic kernel
         torch.use_deterministic_algorithms(deterministic_before)
+    if baseline_is_amp:
+        results.insert(0, _baseline_from_amp(results[-1], run, config, world.is_main))
     for result in results:
         say(f"trained {result.variant} ({result.precision}): test accuracy "
             f"{result.test_accuracy:.4f} (epoch {result.best_epoch}, chosen on validation), "
             f"{result.samples_per_second:.0f} samples/s, {result.skipped_steps} skipped steps",
             quiet=not world.is_main)
     return results
+
+
+def _baseline_from_amp(amp: TrainResult, run: Run, config, is_main: bool) -> TrainResult:
+    """`fp32` as a copy of an `amp` model that trained in fp32: the file the run-folder contract
+    promises, listed with the amp run's figures and marked as the same run."""
+    result = TrainResult(**(asdict(amp) | {"variant": "fp32"}))
+    if not is_main:
+        return result
+    listed = run.artifacts().get("fp32")
+    if listed and listed.get("training", {}).get("same_run_as") != "amp":
+        return result  # a baseline trained on its own before (a resumed older run): keep it
+    folder = run.root / "train" / "fp32"
+    folder.mkdir(parents=True, exist_ok=True)
+    source = run.entry("amp")
+    path = folder / "model.pt"
+    with open(run.verified_path("amp"), "rb") as trained:
+        atomic_write(path, lambda out: shutil.copyfileobj(trained, out))
+    run.register("fp32", path, kind="model", stage="train", config=asdict(config),
+                 format="pytorch", model_spec=source["model_spec"], chosen=source["chosen"],
+                 initial_weights=source["initial_weights"],
+                 training=source["training"] | {"variant": "fp32", "same_run_as": "amp"},
+                 checkpoint_bytes=source["checkpoint_bytes"])
+    say("fp32: the same run as amp (autocast resolved to fp32), not trained twice; "
+        f"copied to {path}", quiet=config.quiet)
+    return result
 
 
 # ---------------------------------------------------------------- memory, in a fresh process
@@ -533,14 +566,20 @@ def peak_memory_in_fresh_process(config, precision: Precision) -> tuple[int, str
     its own: measured inside one process, the second model would inherit the first one's
     warm heap and look smaller than it is."""
     probe = json.dumps({"config": asdict(config), "precision": precision.name})
+    # glibc raises its mmap threshold as a process frees large blocks, after which freed
+    # activations stay in the heap and count as resident: two probes of one model differed by
+    # up to 25%. A fixed threshold returns every large block on free, so RSS follows the live
+    # tensors and repeated probes agreed within 0.1% on the AMD EPYC.
+    env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
     proc = subprocess.run([sys.executable, "-m", "stages.train", "--memory-probe", probe],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900, env=env)
     if proc.returncode != 0:
         say(f"warning: the memory probe failed ({proc.stderr.strip()[-300:]}); no memory figure")
         return 0, "not measured (the probe failed)"
     peak = json.loads(proc.stdout.strip().splitlines()[-1])["peak"]
     return peak, (f"peak growth of resident memory (RSS) over {MEMORY_PROBE_STEPS} training "
-                  "steps, measured in a fresh process for each model")
+                  "steps, measured in a fresh process for each model with glibc's mmap "
+                  "threshold fixed, so that freed tensors leave resident memory")
 
 
 def _memory_probe(argument: str) -> None:
