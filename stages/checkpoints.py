@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections import OrderedDict
 from pathlib import Path
 
 from stages.artifacts import Run, atomic_torch_save, load_checkpoint
@@ -85,6 +86,26 @@ class Checkpointer:
                               step=step, epoch=state["position"]["epoch"])
         for _, old in checkpoints_of(self.run, self.variant)[self.keep:]:
             self.run.unregister(old)
+
+
+def cpu_state_dict(model, clone: bool = False) -> OrderedDict:
+    """The model's weights on the CPU as a state_dict that loads back: with the state_dict's
+    ``_metadata`` (each module's version), without which some modules refuse to load
+    (torchvision's MNASNet raises "version should be set to 1 or 2")."""
+    own = model.state_dict()
+    weights = OrderedDict((k, v.detach().cpu().clone() if clone else v.detach().cpu())
+                          for k, v in own.items())
+    return with_metadata(weights, own)
+
+
+def with_metadata(weights: dict, *sources) -> OrderedDict:
+    """``weights`` as an OrderedDict carrying the ``_metadata`` of the first source that has
+    one (a state_dict read from a file, then the model's own)."""
+    weights = OrderedDict(weights)
+    found = next((m for m in (getattr(s, "_metadata", None) for s in sources) if m), None)
+    if found is not None:
+        weights._metadata = found
+    return weights
 
 
 def weights_digest(state_dict: dict) -> str:

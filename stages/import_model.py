@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from stages.artifacts import Run, atomic_torch_save, sha256_file
+from stages.checkpoints import cpu_state_dict
 from stages.data import expected_shape, load_splits
 from stages.evaluate import dataset_accuracy
 from stages.models import build_model, check_model_fits, model_spec
@@ -40,8 +41,8 @@ def run(config, run: Run) -> dict:
     scores = {"val_accuracy": dataset_accuracy(model, splits.val),
               "test_accuracy": dataset_accuracy(model, splits.test)}
     folder = run.root / "import"
-    weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    atomic_torch_save({"model_spec": spec, "state_dict": weights}, folder / "model.pt")
+    atomic_torch_save({"model_spec": spec, "state_dict": cpu_state_dict(model)},
+                      folder / "model.pt")
     origin = {"file": str(path.resolve()), "sha256": sha256_file(path), "weights": config.weights}
     run.record_config("import", asdict(config))
     run.register("fp32", folder / "model.pt", kind="model", stage="import",

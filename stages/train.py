@@ -26,8 +26,8 @@ from stages import distributed
 from stages.artifacts import (Run, atomic_torch_save, atomic_write, atomic_write_text,
                               remove_stale_temporaries)
 from stages.bench import isa
-from stages.checkpoints import (Checkpointer, best_weights, newest_good_checkpoint, restore_rng,
-                                rng_state, weights_digest)
+from stages.checkpoints import (Checkpointer, best_weights, cpu_state_dict,
+                                newest_good_checkpoint, restore_rng, rng_state, weights_digest)
 from stages.data import DataSplits, EpochSampler, expected_shape, load_splits, make_loader
 from stages.errors import PipelineError
 from stages.evaluate import dataset_accuracy
@@ -415,7 +415,7 @@ def train_variant(variant: str, precision: Precision, splits: DataSplits, config
             improved = val_acc > totals["best_val"]
             if improved:
                 totals.update(best_val=val_acc, best_epoch=epoch)
-                best = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+                best = cpu_state_dict(model, clone=True)
             sums = {"loss": 0.0, "correct": 0, "seen": 0}
             if world.is_main:
                 atomic_write_text(folder / "metrics.jsonl",
@@ -459,8 +459,8 @@ def train_variant(variant: str, precision: Precision, splits: DataSplits, config
                 config, precision)
         elif device.type == "cpu":
             result.peak_memory_method = "not measured (--no-measure-memory)"
-        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        atomic_torch_save({"model_spec": spec, "state_dict": weights}, folder / "model.pt")
+        atomic_torch_save({"model_spec": spec, "state_dict": cpu_state_dict(model)},
+                          folder / "model.pt")
         run.register(f"{variant}/metrics", folder / "metrics.jsonl", kind="metrics",
                      stage="train", parent=variant)
         run.register(variant, folder / "model.pt", kind="model", stage="train",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from stages.artifacts import load_checkpoint
+from stages.checkpoints import with_metadata
 from stages.errors import PipelineError, UsageError
 
 
@@ -113,7 +114,8 @@ def load_into(model, loaded: dict, source: str, adapt: bool) -> list[str]:
                                 f"{tuple(tensor.shape)}, the model needs {tuple(own[key].shape)}"
                                 + ("; check --model, --in-channels and the data set's classes"
                                    if not adapt else "; check --model"))
-    model.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.items()})
+    model.load_state_dict(with_metadata({k: v.to(own[k].dtype) for k, v in weights.items()},
+                                        loaded, own))
     return notes
 
 

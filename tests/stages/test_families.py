@@ -9,6 +9,8 @@ import copy
 import pytest
 import torch
 
+from stages.artifacts import atomic_torch_save, load_checkpoint
+from stages.checkpoints import cpu_state_dict
 from stages.errors import UsageError
 from stages.models import CHAIN_MIN_SIZE, build_model, check_model_fits, torchvision_models
 
@@ -58,7 +60,7 @@ def test_the_smallest_size_is_accepted_and_the_next_smaller_one_refused(family):
 
 
 @pytest.mark.parametrize("family", sorted(set(FAMILIES) - STEP_SKIPS))
-def test_one_training_step_at_the_smallest_size(family):
+def test_one_training_step_at_the_smallest_size_and_its_weights_reload(family, tmp_path):
     name, size = FAMILIES[family]
     torch.manual_seed(0)
     model = build_model(name, 10, 1, size).train()
@@ -69,6 +71,13 @@ def test_one_training_step_at_the_smallest_size(family):
     optimizer.step()
     assert torch.isfinite(loss)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    # As train writes model.pt and later stages rebuild it (MNASNet refuses weights that lost
+    # the state_dict's module versions).
+    atomic_torch_save({"state_dict": cpu_state_dict(model)}, tmp_path / "model.pt")
+    fresh = build_model(name, 10, 1, size)
+    fresh.load_state_dict(load_checkpoint(tmp_path / "model.pt")["state_dict"])
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
+                                                 model.state_dict().values()))
 
 
 @pytest.mark.parametrize("family", PT2E_FAMILIES)
