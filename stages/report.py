@@ -252,6 +252,9 @@ def _histories(run: Run) -> dict[str, list[dict]]:
         if f"{name}/metrics" in run.artifacts():
             text = run.verified_path(f"{name}/metrics").read_text()
             histories[name] = [json.loads(line) for line in text.splitlines() if line.strip()]
+    fp32 = run.artifacts().get("fp32", {}).get("training") or {}
+    if fp32.get("same_run_as") == "amp" and "amp" in histories:  # one run, both names
+        histories = {"amp = fp32 (one fp32 run)": histories["amp"]}
     return histories
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pipeline.config import TrainConfig
-from stages import artifacts, train
+from stages import artifacts, report, train
 from stages.precision import Precision
 from tests.conftest import TINY_TRAIN
 
@@ -26,6 +26,7 @@ def test_amp_in_fp32_is_trained_once_and_listed_as_the_baseline(tmp_path):
     assert listed["fp32"]["path"] == "train/fp32/model.pt"
     assert not any(name.startswith("fp32/") for name in listed)  # no second training's files
     assert sorted(p.name for p in (run.root / "train" / "fp32").iterdir()) == ["model.pt"]
+    assert list(report._histories(run)) == ["amp = fp32 (one fp32 run)"]  # one curve, named so
     # The copy is what an independent fp32 run of the same configuration ends with.
     alone = artifacts.create_run(tmp_path, "alone")
     train.run(TrainConfig(**TINY_TRAIN | {"epochs": 1, "precision": "fp32",
