@@ -52,3 +52,37 @@ def test_the_qat_stage_leaves_a_checked_int8_model(tiny_run):
     assert info["parity_vs_source"]["top1_agreement"] > 0.5
     qat_row = next(m for m in tiny_run["report"]["models"] if m["name"] == "torch-qat")
     assert qat_row["int8"] and qat_row["size_bytes"] < 0.6 * run.shipped_bytes("fp32")
+
+
+def test_batchnorm_statistics_of_the_qat_graph_are_recomputed_from_training_images():
+    """MNASNet-like momentum (0.0003): a few steps leave the running statistics where they
+    were; recomputing sets them to the average over the images' batches, as the float
+    model's own BatchNorm computes it with momentum None."""
+    from torch import nn
+
+    from stages.data import make_loader
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4, momentum=0.0003), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+    spec = {"model": "test", "num_classes": 10, "in_channels": 1, "image_size": 8}
+    graph = torch_runtime.export_graph(copy.deepcopy(model), spec, train=True)
+    splits = load_splits(TrainConfig(**TINY_TRAIN))
+    qat.recompute_batchnorm(graph, splits.calibration, 64, torch.device("cpu"))
+    running = {k: v.clone() for k, v in graph.state_dict().items() if "running" in k}
+    assert len(running) == 2
+
+    expected = copy.deepcopy(model[:2]).train()
+    expected[1].reset_running_stats()
+    expected[1].momentum = None  # cumulative average, PyTorch's own
+    with torch.no_grad():
+        for images, _ in make_loader(splits.calibration, 64):
+            expected(images)
+    mean = next(v for k, v in running.items() if k.endswith("running_mean"))
+    var = next(v for k, v in running.items() if k.endswith("running_var"))
+    assert not torch.allclose(expected[1].running_mean, torch.zeros(4))  # it did move
+    torch.testing.assert_close(mean, expected[1].running_mean, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(var, expected[1].running_var, rtol=1e-4, atol=1e-5)
+    # The graph's own arguments are restored: training mode, the model's momentum.
+    (node,) = [n for n in graph.graph.nodes if str(n.target) in qat.BATCH_NORM_OPS]
+    assert node.args[5] is True and node.args[6] == 0.0003
