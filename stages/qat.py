@@ -97,7 +97,7 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
 
     quantize_pt2e, _ = torch_runtime._pt2e()
     from torchao.quantization.pt2e import (allow_exported_model_train_eval, disable_observer,
-                                           move_exported_model_to_eval,
+                                           enable_observer, move_exported_model_to_eval,
                                            move_exported_model_to_train)
 
     seed_everything(config.seed)
@@ -137,14 +137,19 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
         if epoch <= config.freeze_bn_after:  # the statistics it will be frozen with
             recompute_batchnorm(prepared, splits.calibration, config.batch_size, device)
         move_exported_model_to_eval(prepared)
+        # Observers left on would fit the quantization ranges to the validation images while
+        # scoring them: ranges come from training images only.
+        prepared.apply(disable_observer)
         val_acc = dataset_accuracy(prepared, splits.val, device)
+        if val_acc > best_acc:  # kept with its observers off, as it was scored
+            best_acc, best = val_acc, copy.deepcopy(prepared.state_dict())
+        if epoch < config.freeze_observers_after:
+            prepared.apply(enable_observer)
         history.append({"epoch": epoch, "loss": seen["loss"] / seen["seen"],
                         "train_accuracy": seen["correct"] / seen["seen"],
                         "val_accuracy": val_acc, "seconds": time.perf_counter() - started})
         say(f"qat epoch {epoch}/{config.epochs}: loss {history[-1]['loss']:.4f} validation "
             f"accuracy {val_acc:.3f} (fake-quantized)", quiet=config.quiet)
-        if val_acc > best_acc:
-            best_acc, best = val_acc, copy.deepcopy(prepared.state_dict())
     prepared.load_state_dict(best)
     move_exported_model_to_eval(prepared)
     return prepared.cpu(), {"history": history, "precision": precision.name,

@@ -86,3 +86,26 @@ def test_batchnorm_statistics_of_the_qat_graph_are_recomputed_from_training_imag
     # The graph's own arguments are restored: training mode, the model's momentum.
     (node,) = [n for n in graph.graph.nodes if str(n.target) in qat.BATCH_NORM_OPS]
     assert node.args[5] is True and node.args[6] == 0.0003
+
+
+def test_validation_images_never_move_the_quantization_ranges(tmp_path, monkeypatch):
+    """Each epoch is scored with the observers off, and the epoch kept is restored as scored:
+    ranges come from training images only."""
+    from pipeline.config import QatConfig
+    from stages import artifacts, train
+
+    run = artifacts.create_run(tmp_path, "ranges")
+    train.run(TrainConfig(**TINY_TRAIN | {"epochs": 1, "baseline": False}), run)
+    scored = []
+    real = qat.dataset_accuracy
+
+    def spy(model, dataset, *args, **kwargs):
+        flags = [m.observer_enabled for m in model.modules() if hasattr(m, "observer_enabled")]
+        if flags:
+            scored.append([int(f.item()) for f in flags])
+        return real(model, dataset, *args, **kwargs)
+
+    monkeypatch.setattr(qat, "dataset_accuracy", spy)
+    qat.run(QatConfig(epochs=2, freeze_bn_after=1, freeze_observers_after=2, quiet=True), run)
+    assert len(scored) == 2  # one scoring per epoch, on the fake-quantized graph
+    assert all(flag == 0 for flags in scored for flag in flags)
