@@ -67,6 +67,16 @@ def _check_types(config) -> None:
             raise ValueError(f"--{field.name.replace('_', '-')} {problem}")
 
 
+def _expanded(flag: str, text: str) -> Path:
+    """The path with ~ expanded: '~name' of a user this machine does not have is a usage error
+    (pathlib raises RuntimeError), not a traceback."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:
+        raise ValueError(f"{flag} {text!r}: '~' names no user or home directory here; give the "
+                         "path in full") from None
+
+
 def _choice(flag: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"{flag} {value!r} is not one of: {', '.join(map(str, allowed))}")
@@ -113,8 +123,9 @@ class TrainConfig:
         _choice("--dataset", self.dataset, DATASET_NAMES)
         if self.init_weights and self.weights:
             raise ValueError("--init-weights and --weights both name starting weights; give one")
-        if self.init_weights and not Path(self.init_weights).expanduser().is_file():
+        if self.init_weights and not _expanded("--init-weights", self.init_weights).is_file():
             raise ValueError(f"--init-weights {self.init_weights!r} is not a file")
+        _expanded("--data-dir", self.data_dir)
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
         if self.in_channels is not None:
@@ -163,6 +174,8 @@ class ImportConfig:
             raise ValueError("--weights is required: the file (or torchvision weights name) to "
                              "import")
         _choice("--dataset", self.dataset, DATASET_NAMES)
+        _expanded("--weights", self.weights)
+        _expanded("--data-dir", self.data_dir)
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
         if self.in_channels is not None:

@@ -159,3 +159,12 @@ def test_random_option_values_give_usage_errors_never_tracebacks(tmp_path, monke
     lines = result.stderr.strip().splitlines()
     assert len(lines) >= 1 and lines[-1].startswith("pipeline: error:"), result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("field, flag", [("init_weights", "--init-weights"),
+                                         ("data_dir", "--data-dir")])
+def test_a_home_directory_that_does_not_exist_is_a_usage_error(field, flag):
+    """'~0' expands to the home of a user named 0: pathlib raises RuntimeError (found by the
+    property test above in CI)."""
+    with pytest.raises(ValueError, match=f"^{flag} '~0': '~' names no user"):
+        cfg.TrainConfig(model="smallcnn", **{field: "~0"})
