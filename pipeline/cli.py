@@ -451,5 +451,20 @@ def report(ctx: click.Context, **flags) -> Processor:
     return "report", process
 
 
+def _fail_stage_on_sigterm() -> None:
+    """SIGTERM (torchrun stopping the other ranks when one fails, or a user's kill) raises
+    SystemExit, so that the stage under way is marked failed; Python's default ends the
+    process where it stands and leaves the stage 'running'. Only the first: a second SIGTERM
+    while the failure is written is ignored."""
+    import signal
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main() -> None:
+    _fail_stage_on_sigterm()
     cli(prog_name="pipeline")

@@ -271,3 +271,24 @@ def test_two_runs_started_at_once_in_the_same_second_keep_apart(tmp_path):
         assert run.manifest()["stages"]["train"]["status"] == "complete"
         assert {"fp32", "amp"} <= set(run.artifacts())
     assert (tmp_path / "latest").read_text().strip() in runs
+
+
+def test_sigterm_marks_the_stage_failed_and_loses_nothing(tmp_path):
+    """torchrun stops the other ranks with SIGTERM when one fails, and so does a user's kill:
+    the stage is marked failed (not left 'running') and every listed file is whole."""
+    run_root = tmp_path / "runs" / "terms"
+    proc = subprocess.Popen(_pipeline(tmp_path, "--run", "terms", "train", "--model", "smallcnn",
+                                      "--image-size", "8", "--epochs", "20", "--no-baseline",
+                                      "--no-measure-memory", "--checkpoint-every", "1"),
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not any(name.startswith("amp/checkpoint-step") for name in _listed(run_root)):
+        assert proc.poll() is None and time.monotonic() < deadline, "training never checkpointed"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    manifest = json.loads((run_root / "manifest.json").read_text())
+    assert manifest["stages"]["train"]["status"] == "failed"
+    assert manifest["stages"]["train"]["error"].startswith("SystemExit: 143")
+    _check_nothing_half_written(run_root)
