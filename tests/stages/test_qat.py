@@ -109,3 +109,42 @@ def test_validation_images_never_move_the_quantization_ranges(tmp_path, monkeypa
     qat.run(QatConfig(epochs=2, freeze_bn_after=1, freeze_observers_after=2, quiet=True), run)
     assert len(scored) == 2  # one scoring per epoch, on the fake-quantized graph
     assert all(flag == 0 for flags in scored for flag in flags)
+
+
+def _one_signed_conv_net():
+    """A conv whose output channels have weights of one sign each, as depthwise 3x3 filters
+    often do after BatchNorm is folded into them, then BatchNorm, ReLU and a classifier."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(1, 4, 3, bias=False)
+    with torch.no_grad():
+        magnitude = torch.rand_like(conv.weight) * 0.5 + 0.05
+        conv.weight.copy_(magnitude * torch.tensor([1.0, -1.0, 1.0, -1.0]).view(4, 1, 1, 1))
+    return nn.Sequential(conv, nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(144, 10))  # 4 x 6 x 6 from 8 x 8 images
+
+
+def test_qat_trains_with_the_weight_quantization_it_deploys():
+    """Every fake quantizer of the QAT graph quantizes with the scale and zero point that
+    convert_pt2e will deploy (it asks each one's observer). torchao 0.18's fused fake-quant
+    kernel made one-signed weight channels affine: zero point +-127/128 and half the step of
+    the symmetric int8 that is deployed."""
+    quantize_pt2e, _ = torch_runtime._pt2e()
+    from torchao.quantization.pt2e import disable_observer, move_exported_model_to_eval
+
+    spec = {"model": "net", "num_classes": 10, "in_channels": 1, "image_size": 8}
+    graph = torch_runtime.export_graph(_one_signed_conv_net(), spec, train=True)
+    prepared = quantize_pt2e.prepare_qat_pt2e(
+        graph, torch_runtime.make_quantizer(torch_runtime.pt2e_options(), qat=True))
+    move_exported_model_to_eval(prepared)
+    with torch.no_grad():
+        prepared(torch.rand(64, 1, 8, 8))  # the observers see the images once
+    prepared.apply(disable_observer)
+    quantizers = [m for m in prepared.modules() if hasattr(m, "fake_quant_enabled")]
+    weights = [m for m in quantizers if m.qscheme == torch.per_channel_symmetric]
+    assert len(quantizers) == 4 and len(weights) == 2  # input, conv and linear weights, ReLU
+    for quantizer in quantizers:
+        scale, zero_point = quantizer.calculate_qparams()
+        assert torch.equal(quantizer.scale, scale)
+        assert torch.equal(quantizer.zero_point, zero_point.to(quantizer.zero_point.dtype))
+    assert all(not m.zero_point.any() for m in weights)
