@@ -95,3 +95,30 @@ def test_dynamic_int8_makes_a_linear_heavy_model_smaller_with_int8_linear_layers
     for name in ("torch-dynamic", "ort-dynamic"):
         logits = runtimes.load(run, name, 1).predict(images)
         assert (logits.argmax(1) == float_logits.argmax(1)).float().mean() >= 0.95, name
+
+
+def test_trials_built_from_one_export_equal_trials_exported_afresh():
+    """The per-layer fallback exports the model once and copies it per trial: a trial must
+    not change the export the next one starts from."""
+    from stages.builtin_models import smallcnn
+    from stages.runtimes import pytorch as torch_runtime
+
+    torch.manual_seed(0)
+    model = smallcnn(10, 1).eval()
+    spec = {"model": "smallcnn", "num_classes": 10, "in_channels": 1, "image_size": 8}
+    calibration = [torch.rand(32, 1, 8, 8) for _ in range(2)]
+    images = torch.rand(64, 1, 8, 8)
+    options = torch_runtime.pt2e_options()
+    exported = torch_runtime.export_graph(model, spec)
+    layer = torch_runtime.layer_names(model)[1]
+
+    def logits(float_layers, exported=None):
+        return predict(torch_runtime.quantize_pt2e(model, spec, options, calibration,
+                                                   float_layers, exported=exported), images)
+
+    first = logits((), exported)
+    with_float_layer = logits((layer,), exported)
+    assert not torch.equal(first, with_float_layer)
+    assert torch.equal(logits((), exported), first)
+    assert torch.equal(logits(()), first)
+    assert not any("activation_post_process" in name for name, _ in exported.named_modules())
