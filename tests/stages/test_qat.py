@@ -86,6 +86,7 @@ def test_batchnorm_statistics_of_the_qat_graph_are_recomputed_from_training_imag
     # The graph's own arguments are restored: training mode, the model's momentum.
     (node,) = [n for n in graph.graph.nodes if str(n.target) in qat.BATCH_NORM_OPS]
     assert node.args[5] is True and node.args[6] == 0.0003
+    assert "True, 0.0003," in graph.code  # and in the code the graph runs
 
 
 def test_validation_images_never_move_the_quantization_ranges(tmp_path, monkeypatch):
