@@ -139,7 +139,7 @@ def cpu_info() -> dict:
 
 def cpu_has_vnni() -> bool:
     """VNNI (AVX-512, AVX or AMX) multiplies uint8 by int8 without saturating; without it,
-    int8 kernels need one operand of 7 bits (reduce_range) to stay exact."""
+    int8 kernels need one operand of 7 bits (the weights, here) to stay exact."""
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(cpu_info()["flags"]))
 
 

@@ -43,6 +43,10 @@ def label(options: dict) -> str:
             parts.append("per-channel" if value else "per-tensor")
         elif key in ("types", "observer", "calibration_method", "format"):
             parts.append(str(value))
+        elif key == "preset":
+            parts.append(f"{value.lower()} preset")
+        elif key == "weight_bits" and value != 8:
+            parts.append(f"{value}-bit weights")
     return " ".join(parts)
 
 
@@ -137,7 +141,7 @@ def tune(backend: dict, candidates: list[dict], reference: dict, budget_points: 
     chosen, why = choose(trials, budget_points)
     from stages.bench import cpu_info
 
-    # The defaults (reduce_range, u8s8) follow these; a model tuned here may rank otherwise
+    # The defaults (7-bit weights without VNNI, u8s8) follow these; a model tuned here may rank otherwise
     # on a CPU without them.
     record = {"cpu_flags": cpu_info()["flags"], "budget_points": budget_points,
               "split": "held-out training images (validation split and images calibration "

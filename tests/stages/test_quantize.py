@@ -137,6 +137,31 @@ def test_the_compiled_code_is_read_for_int8_kernels():
                      ("Linear", "float"): 1}
 
 
+def _compiled_against_its_graph(options: dict) -> float:
+    """Largest logit difference between a PT2E int8 graph and its compiled kernels, in units of
+    the logits' spread. Inputs near the top of their range and weights of one sign make every
+    u8 x s8 product large: two of them overflow int16 unless one operand has 7 bits."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 10)).eval()
+    with torch.no_grad():
+        model[1].weight.uniform_(0.5, 1.0)
+    spec = {"model": "net", "num_classes": 10, "in_channels": 64, "image_size": 1}
+    images = torch.rand(256, 64, 1, 1) * 0.2 + 0.8
+    graph = torch_runtime.quantize_pt2e(model, spec, options, [images[:128]])
+    reference = predict(graph, images)
+    compiled = torch_runtime.predict_compiled(torch_runtime._compile(graph), images)
+    return float((compiled - reference).abs().max() / reference.std())
+
+
+def test_compiled_int8_computes_what_its_graph_says():
+    """The kernels must not saturate: on a CPU without VNNI that takes 7-bit weights, on one
+    with VNNI full range. Full-range weights there drift by several spreads."""
+    options = torch_runtime.pt2e_options()
+    assert options["weight_bits"] == (8 if torch_runtime.cpu_has_vnni() else 7)
+    assert _compiled_against_its_graph(options) < 0.05
+
+
 def test_no_module_imports_torch_ao_quantization():
     offenders = [str(path.relative_to(ROOT)) for folder in ("pipeline", "stages", "benchmarks")
                  for path in (ROOT / folder).rglob("*.py")

@@ -122,3 +122,9 @@ def test_trials_built_from_one_export_equal_trials_exported_afresh():
     assert torch.equal(logits((), exported), first)
     assert torch.equal(logits(()), first)
     assert not any("activation_post_process" in name for name, _ in exported.named_modules())
+
+
+def test_labels_name_every_choice_a_configuration_makes():
+    assert tuning.label({"preset": "PERFORMANCE"}) == "performance preset"
+    assert tuning.label({"per_channel": True, "weight_bits": 7}) == "per-channel 7-bit weights"
+    assert tuning.label({"per_channel": False, "weight_bits": 8}) == "per-tensor"
