@@ -141,8 +141,8 @@ def tune(backend: dict, candidates: list[dict], reference: dict, budget_points: 
     chosen, why = choose(trials, budget_points)
     from stages.bench import cpu_info
 
-    # The defaults (7-bit weights without VNNI, u8s8) follow these; a model tuned here may rank otherwise
-    # on a CPU without them.
+    # The defaults (7-bit weights without VNNI, u8s8) follow these; a model tuned here may
+    # rank otherwise on a CPU without them.
     record = {"cpu_flags": cpu_info()["flags"], "budget_points": budget_points,
               "split": "held-out training images (validation split and images calibration "
                        "did not use)",

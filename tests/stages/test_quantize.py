@@ -156,7 +156,8 @@ def _compiled_against_its_graph(options: dict) -> float:
 
 def test_compiled_int8_computes_what_its_graph_says():
     """The kernels must not saturate: on a CPU without VNNI that takes 7-bit weights, on one
-    with VNNI full range. Full-range weights there drift by several spreads."""
+    with VNNI full range. Full-range weights on the AMD EPYC here (AVX2) drift by half
+    the logits' spread (0.52)."""
     options = torch_runtime.pt2e_options()
     assert options["weight_bits"] == (8 if torch_runtime.cpu_has_vnni() else 7)
     assert _compiled_against_its_graph(options) < 0.05
