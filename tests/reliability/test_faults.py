@@ -13,6 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from pipeline import cli as cli_module
 from pipeline.cli import cli
 from pipeline.config import TrainConfig
 from stages import artifacts, train
@@ -292,3 +293,32 @@ def test_sigterm_marks_the_stage_failed_and_loses_nothing(tmp_path):
     assert manifest["stages"]["train"]["status"] == "failed"
     assert manifest["stages"]["train"]["error"].startswith("SystemExit: 143")
     _check_nothing_half_written(run_root)
+
+
+def test_a_sigterm_while_the_failure_is_written_waits_for_it(tmp_path, monkeypatch):
+    """torchrun's SIGTERM can reach a rank while it records its own failure (it did in CI, and
+    the stage stayed `running`): the signal is held until the manifest says `failed`, and then
+    still ends the process with SIGTERM's code."""
+    def broken_training(*args, **kwargs):
+        raise RuntimeError("training broke")
+
+    real_write = artifacts.atomic_write_text
+
+    def write_text(path, text):
+        if '"failed"' in text:
+            signal.raise_signal(signal.SIGTERM)  # its handler runs at the next line of Python
+        real_write(path, text)
+
+    monkeypatch.setattr(train, "run", broken_training)
+    monkeypatch.setattr(artifacts, "atomic_write_text", write_text)
+    pytest_handler = signal.getsignal(signal.SIGTERM)
+    cli_module._fail_stage_on_sigterm()
+    try:
+        result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "--run", "held",
+                                          *TINY_CLI])
+    finally:
+        signal.signal(signal.SIGTERM, pytest_handler)
+    assert result.exit_code == 128 + signal.SIGTERM
+    stage = artifacts.open_run(tmp_path, "held").manifest()["stages"]["train"]
+    assert stage["status"] == "failed"
+    assert stage["error"] == "RuntimeError: training broke"
