@@ -7,7 +7,6 @@ imports torch at module level, so `--help` is instant.
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 from typing import Callable
@@ -193,54 +192,33 @@ def _cap_isa_before_any_kernel(ctx: click.Context, processors: list[Processor]) 
 
 def _run_stage(run, stage: str, process: Callable, writes: bool) -> None:
     """Mark the stage running, then complete or failed, so that a run is never taken for
-    complete when a stage died half-way."""
+    complete when a stage died half-way. Signals wait for each status write: in CI, torchrun's
+    SIGTERM reached rank 0 while it wrote its own failure and left the stage `running`."""
     try:
         if writes:  # inside the try: a signal held back during this write is delivered here
-            with _signals_deferred():
+            with _status_write():
                 run.mark_stage(stage, "running")
         process(run)
     except BaseException as exc:
         if writes:
-            with _signals_deferred():
+            with _status_write():
                 try:
                     run.mark_stage(stage, "failed", f"{type(exc).__name__}: {exc}"[:500])
                 except Exception:  # the disk may be what failed; the original error matters more
                     pass
         raise
     if writes:
-        with _signals_deferred():
+        with _status_write():
             run.mark_stage(stage, "complete")
 
 
-@contextlib.contextmanager
-def _signals_deferred():
-    """Hold SIGINT, SIGTERM and SIGCHLD until a stage's status is written, then deliver them.
-    Their handlers raise (KeyboardInterrupt, SystemExit, DataLoader's worker check), and one
-    raised mid-write abandons it: seen in CI, torchrun's SIGTERM reached rank 0 while it wrote
-    its own failure and left the stage `running`. The handlers are swapped, not the signal
-    mask, because a masked signal is still taken by one of torch's threads and still raises
-    in the main one."""
+def _status_write():
+    """What a stage's status write holds back: Ctrl-C, kill and torchrun, dying loader workers."""
     import signal
-    import threading
 
-    if threading.current_thread() is not threading.main_thread():  # only it may set handlers
-        yield
-        return
-    arrived: list[int] = []
-    previous = {}
-    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
-        handler = signal.getsignal(number)
-        if handler is None:  # installed outside Python: cannot be put back, so left alone
-            continue
-        previous[number] = handler
-        signal.signal(number, lambda signum, frame: arrived.append(signum))
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-        for number in dict.fromkeys(arrived):
-            signal.raise_signal(number)
+    from stages.signals import deferred
+
+    return deferred(signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)
 
 
 def _data_options(command):

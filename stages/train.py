@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from stages import distributed
+from stages import distributed, signals
 from stages.artifacts import (Run, atomic_torch_save, atomic_write, atomic_write_text,
                               remove_stale_temporaries)
 from stages.bench import isa
@@ -194,13 +194,11 @@ def _stop_workers(data_iterator) -> None:
     worker cannot raise a second error while the first is being reported."""
     import signal
 
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-    try:
-        data_iterator._shutdown_workers()  # what its __del__ would do; unregisters the pids
-    except Exception:  # the workers are already gone; nothing more to clean up
-        pass
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    with signals.deferred(signal.SIGCHLD):
+        try:
+            data_iterator._shutdown_workers()  # what its __del__ would do; unregisters the pids
+        except Exception:  # the workers are already gone; nothing more to clean up
+            pass
 
 
 @contextlib.contextmanager
