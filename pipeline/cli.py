@@ -349,13 +349,15 @@ def import_(ctx: click.Context, **flags) -> Processor:
 
 
 @cli.command(context_settings=CONTEXT)
-@click.option("--epochs", type=int, help="Epochs of fine-tuning.  [default: 3]")
+@click.option("--epochs", type=int, help="Epochs of fine-tuning.  [default: 10]")
 @click.option("--lr", type=float, help="Peak learning rate.  [default: 0.005]")
 @click.option("--batch-size", type=int, help="[default: 64]")
 @click.option("--freeze-bn-after", type=int, metavar="EPOCHS",
-              help="BatchNorm statistics stop updating after this many epochs.  [default: 1]")
+              help="BatchNorm statistics stop updating after this many epochs.  "
+                   "[default: half of --epochs]")
 @click.option("--freeze-observers-after", type=int, metavar="EPOCHS",
-              help="Quantization ranges stop updating after this many epochs.  [default: 2]")
+              help="Quantization ranges stop updating after this many epochs.  "
+                   "[default: 70% of --epochs]")
 @click.option("--precision", type=click.Choice(cfg.PRECISIONS),
               help="Autocast type of the fine-tuning; auto: the float model's own.")
 @click.option("--max-accuracy-drop", type=float, metavar="POINTS",

@@ -178,14 +178,14 @@ def export_qdq(ctx: QuantContext, graph) -> dict | None:
     session = ort_session(path, threads=1)
     parity = compare_logits(ctx.logits_of("torch-qat", images), ort_predict(session, images))
     if parity["top1_agreement"] < PARITY_MIN_AGREEMENT:
-        # Seen on CPUs without VNNI: ONNX Runtime's fused u8s8 kernels saturate on weights
-        # that use the full int8 range, as PT2E's do (its own quantizer reduces the range
-        # there); oneDNN does not.
+        # Seen on mnasnet0_5 on an AVX2 CPU without VNNI, with 7-bit weights: 77% agreement,
+        # and 100% with the session option session.disable_quant_qdq=1, so the export is
+        # right and ONNX Runtime's fusion of QDQ pairs into its int8 kernels is not.
         path.unlink()
         say(f"qat: ort-qat not kept: ONNX Runtime agrees with torch-qat on only "
             f"{parity['top1_agreement']:.1%} of training images (max logit difference "
-            f"{parity['max_abs_diff']:.3g}); on CPUs without VNNI its int8 kernels saturate on "
-            "full-range int8 weights", quiet=ctx.config.quiet)
+            f"{parity['max_abs_diff']:.3g}) once it fuses the QDQ pairs into its int8 kernels",
+            quiet=ctx.config.quiet)
         return None
     info = {"exporter": "torch.onnx.export(dynamo=True) of torch-qat",
             "parity_vs_torch_qat": parity}

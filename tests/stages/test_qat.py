@@ -1,9 +1,10 @@
 """Quantization-aware training: frozen BatchNorm statistics, and what the qat stage leaves."""
 import copy
 
+import pytest
 import torch
 
-from pipeline.config import TrainConfig
+from pipeline.config import QatConfig, TrainConfig
 from stages import qat
 from stages.data import load_splits
 from stages.runtimes import pytorch as torch_runtime
@@ -92,7 +93,6 @@ def test_batchnorm_statistics_of_the_qat_graph_are_recomputed_from_training_imag
 def test_validation_images_never_move_the_quantization_ranges(tmp_path, monkeypatch):
     """Each epoch is scored with the observers off, and the epoch kept is restored as scored:
     ranges come from training images only."""
-    from pipeline.config import QatConfig
     from stages import artifacts, train
 
     run = artifacts.create_run(tmp_path, "ranges")
@@ -149,3 +149,12 @@ def test_qat_trains_with_the_weight_quantization_it_deploys():
         assert torch.equal(quantizer.scale, scale)
         assert torch.equal(quantizer.zero_point, zero_point.to(quantizer.zero_point.dtype))
     assert all(not m.zero_point.any() for m in weights)
+
+
+def test_freezing_points_scale_with_the_epochs_unless_given():
+    assert [(c.freeze_bn_after, c.freeze_observers_after)
+            for c in (QatConfig(), QatConfig(epochs=3), QatConfig(epochs=1))] == [
+                (5, 7), (1, 2), (1, 1)]
+    assert QatConfig(epochs=4, freeze_bn_after=0).freeze_bn_after == 0  # BN frozen from the start
+    with pytest.raises(ValueError, match="--freeze-observers-after"):
+        QatConfig(freeze_observers_after=0)  # quantization ranges would never be measured
