@@ -384,6 +384,11 @@ def _calibration_order(splits: DataSplits, seed: int) -> list[int]:
 SELECTION_IMAGES = 1024
 
 
+# What a variant's held-out accuracy was measured on, in report.json's words.
+SELECTION_WORDS = "validation split and held-out training images"
+VALIDATION_WORDS = "validation split"
+
+
 def selection_set(splits: DataSplits, calibration_samples: int, seed: int,
                   limit: int = SELECTION_IMAGES):
     """The images every choice is made on (--auto, the recommendation): the validation split

@@ -5,6 +5,7 @@ import json
 
 from stages import runtimes, tuning
 from stages.artifacts import Run
+from stages.data import SELECTION_WORDS
 from stages.errors import UsageError
 
 
@@ -23,17 +24,26 @@ def _verdict_paragraph(report: dict) -> list[str]:
     low, high = v["accuracy_change_ci95_points"]
     noise = ("within the noise of the test split" if low <= 0 <= high
              else "a real difference on the test split")
-    selection = models[v["recommended"]]["validation"]["samples"]
+    judged = models[v["recommended"]]["validation"]
+    where = ("the validation split and training images calibration did not use"
+             if judged["images"] == SELECTION_WORDS else "the validation split")
     lines = [
         f"**Ship `{v['recommended']}`** for batches of {v['batch_size']}. Of the variants "
-        f"within {v['max_accuracy_drop_points']:g} point(s) of `{ref}` on {selection} held-out "
-        f"training images (the validation split and images calibration did not use), it has "
-        f"the lowest p50 latency: {_ratio(big['speedup_vs_best_float'])} faster than the "
+        f"within {v['max_accuracy_drop_points']:g} point(s) of `{ref}` on held-out images "
+        f"({judged['samples']} for it: {where}), it has the lowest p50 latency: "
+        f"{_ratio(big['speedup_vs_best_float'])} faster than the "
         f"fastest float variant, `{big['best_float']}`, and "
         f"{_ratio(big['speedup_vs_reference'])} faster than `{ref}` eager, at "
         f"{v['size_ratio']:.2f}x its size. On the test split, which chose nothing, it scores "
         f"{v['test_accuracy']:.2%}, {v['accuracy_change_points']:+.2f} points against `{ref}` "
         f"(95% interval {low:+.2f} to {high:+.2f}, {noise}).", ""]
+    apart = [m["name"] for m in report["models"]
+             if m["validation"]["images"] != SELECTION_WORDS]
+    if apart:
+        lines += [f"Judged on the {models[apart[0]]['validation']['samples']} validation images "
+                  f"alone: {', '.join(f'`{n}`' for n in apart)}. Their weights were trained "
+                  f"apart from `{ref}`'s, so on training images they would differ in how well "
+                  "each model memorised them, not only in what quantization changed.", ""]
     if big["within_noise_of"]:
         lines += [f"Within noise of it at this batch size: "
                   f"{', '.join(f'`{n}`' for n in big['within_noise_of'])} (their speed-up "
@@ -60,7 +70,8 @@ def _models_table(report: dict) -> list[str]:
     head = ["variant", "runs as", "size (MB)", "size vs fp32"]
     head += [f"p50 / p90 ms (batch {b})" for b in sizes]
     head += [f"vs `{ref}` (batch {big})", f"vs fastest float (batch {big})",
-             "validation accuracy", "test accuracy (95% CI)", "test change in points (95% CI)",
+             "held-out accuracy (images)", "test accuracy (95% CI)",
+             "test change in points (95% CI)",
              f"agreement with `{ref}`"]
     lines = ["## Models", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -70,7 +81,7 @@ def _models_table(report: dict) -> list[str]:
         cells += [f"{r['latency_ms'][b]['p50']:.2f} / {r['latency_ms'][b]['p90']:.2f}"
                   for b in sizes]
         cells += [_ratio(r["speedup_vs_reference"][big]), _ratio(r["speedup_vs_best_float"][big]),
-                  f"{r['validation']['accuracy']:.2%}",
+                  f"{r['validation']['accuracy']:.2%} ({r['validation']['samples']})",
                   f"{r['accuracy']:.2%} ({_pct_interval(*r['accuracy_ci95'])})",
                   "reference" if r["name"] == ref else
                   f"{change['difference'] * 100:+.2f} ({change['low'] * 100:+.2f} to "

@@ -21,6 +21,10 @@ class Variant:
     int8: bool
     make: Callable | None  # (QuantContext) -> info; None where another stage makes it
     description: str
+    # Its weights were fitted to the training images (train, import, qat): training images say
+    # how well it memorised them, not what quantization cost, so it is judged on the
+    # validation split alone.
+    trained: bool = False
 
 
 @dataclass
@@ -39,12 +43,12 @@ LOADERS: dict[str, Callable] = {}  # runtime -> load(run, name, threads) -> Load
 
 
 def declare(name: str, *, runtime: str, source: str | None, int8: bool, description: str,
-            make: Callable | None = None) -> None:
+            make: Callable | None = None, trained: bool = False) -> None:
     """Register a variant; without ``make``, one that another stage makes (train, import,
     qat) and its runtime only loads."""
     if name in VARIANTS:
         raise RuntimeError(f"variant {name!r} is registered twice")
-    VARIANTS[name] = Variant(name, runtime, source, int8, make, description)
+    VARIANTS[name] = Variant(name, runtime, source, int8, make, description, trained)
 
 
 def variant(name: str, **fields):

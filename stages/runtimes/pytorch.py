@@ -279,9 +279,9 @@ def load_graph_file(path, name: str):
 
 
 # Made by the train (or import) stage.
-declare("fp32", runtime="pytorch", source=None, int8=False,
+declare("fp32", runtime="pytorch", source=None, int8=False, trained=True,
         description="trained in float32, eager PyTorch")
-declare("amp", runtime="pytorch", source=None, int8=False,
+declare("amp", runtime="pytorch", source=None, int8=False, trained=True,
         description="trained with autocast, served in its training precision")
 
 
@@ -360,7 +360,7 @@ def make_static(ctx) -> dict:
 
 
 # Made by the qat stage.
-declare("torch-qat", runtime="pytorch", source=FLOAT, int8=True,
+declare("torch-qat", runtime="pytorch", source=FLOAT, int8=True, trained=True,
         description="fine-tuned with fake quantization (PT2E QAT), converted to int8")
 
 

@@ -64,6 +64,54 @@ def test_the_verdict_chooses_on_validation_images_never_on_the_test_split(tiny_r
     assert v["test_accuracy"] == models[v["recommended"]]["test"]["accuracy"]
 
 
+class _Manifest:
+    """A run's manifest entries, as the report reads them."""
+
+    def __init__(self, entries: dict):
+        self.entries = entries
+
+    def entry(self, name: str) -> dict:
+        return self.entries[name]
+
+
+def test_training_images_judge_only_variants_that_carry_the_reference_weights():
+    one_training = _Manifest({
+        "fp32": {"parent": None, "training": {"same_run_as": "amp"}},
+        "amp": {"parent": None, "training": {}}, "torch-static": {"parent": "amp"},
+        "onnx-fp32": {"parent": "amp"}, "ort-static": {"parent": "onnx-fp32"},
+        "torch-qat": {"parent": "amp"}, "ort-qat": {"parent": "torch-qat"}})
+    fitted = {name: report._fitted_model(one_training, name) for name in one_training.entries}
+    assert fitted == {"fp32": "amp", "amp": "amp", "torch-static": "amp", "onnx-fp32": "amp",
+                      "ort-static": "amp", "torch-qat": "torch-qat", "ort-qat": "torch-qat"}
+    # An fp32 baseline trained beside amp: amp and all made from it fitted the images apart.
+    two_trainings = _Manifest(one_training.entries | {"fp32": {"parent": None, "training": {}}})
+    assert report._fitted_model(two_trainings, "fp32") == "fp32"
+    assert report._fitted_model(two_trainings, "ort-static") == "amp"
+
+
+def test_a_model_trained_apart_is_judged_on_the_validation_split_alone(tiny_run):
+    from stages import runtimes
+    from stages.data import splits_of_run
+    from stages.evaluate import predict_dataset
+
+    run, data = tiny_run["run"], tiny_run["report"]
+    splits = splits_of_run(run)
+    models = {m["name"]: m for m in data["models"]}
+    assert models["fp32"]["validation"]["samples"] > len(splits.val)  # training images too
+    for name, model in models.items():  # amp was trained apart, in bf16; torch-qat came from it
+        if name != "fp32":
+            assert model["validation"]["samples"] == len(splits.val), name
+            assert model["validation"]["images"] == "validation split", name
+    # Paired with fp32 on the same images: fp32's accuracy on the validation split alone.
+    logits, labels = predict_dataset(runtimes.load(run, "fp32", 1).predict, splits.val)
+    fp32_on_validation = (logits.argmax(1) == labels).sum().item() / len(labels)
+    for name in ("amp", "torch-qat"):
+        judged = models[name]["validation"]
+        assert judged["change_vs_reference"]["difference"] == pytest.approx(
+            judged["accuracy"] - fp32_on_validation)
+    assert data["verdict"]["chosen_on"] == "validation split"
+
+
 def _row(name, p50_rounds, validation_drop, test_drop=0.0, int8=True, size=1.0):
     """A report row with per-round timings (ms) at batch 32 and accuracy changes in points."""
     def change(points):
@@ -73,7 +121,8 @@ def _row(name, p50_rounds, validation_drop, test_drop=0.0, int8=True, size=1.0):
     rounds = [[ms] * 4 for ms in p50_rounds]
     return {"name": name, "int8": int8, "size_bytes": size,
             "latency_ms": {"32": bench.Timing(rounds).summary() | {"rounds_ms": rounds}},
-            "validation": {"change_vs_reference": change(validation_drop)},
+            "validation": {"change_vs_reference": change(validation_drop),
+                           "images": "validation split and held-out training images"},
             "test": {"accuracy": 0.9, "change_vs_reference": change(test_drop)},
             "op_counts": {"Conv": {"int8": 3, "float": 0}}}
 
@@ -120,7 +169,10 @@ def test_warnings_explain_slow_int8_from_what_it_contains():
 def test_report_markdown_says_what_it_chose_on_and_what_it_measured(tiny_run):
     markdown_text = (tiny_run["run"].root / "report" / "report.md").read_text()
     assert markdown_text.startswith("# Report for run `tiny`")
-    assert "**Ship `" in markdown_text and "held-out training images" in markdown_text
+    assert "**Ship `" in markdown_text
+    assert "within 1 point(s) of `fp32` on held-out images (" in markdown_text
+    # amp trained apart from fp32 (bf16), so every variant but fp32 is judged on validation images.
+    assert "validation images alone: `amp`, `fp32-compiled`" in markdown_text
     assert "On the test split, which chose nothing" in markdown_text
     assert "At batch 1 the fastest within the budget is" in markdown_text
     assert "| `openvino-int8` | OpenVINO" in markdown_text
