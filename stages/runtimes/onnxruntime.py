@@ -27,7 +27,7 @@ COMPUTE_OPS = {"Conv": "Conv", "ConvTranspose": "Conv", "MatMul": "Linear", "Gem
 ORT_TYPES = {"u8s8": ("QUInt8", "QInt8"), "s8s8": ("QInt8", "QInt8")}
 
 
-def ort_session(path: Path, threads: int):
+def ort_session(path: Path, threads: int, disabled_optimizers: tuple[str, ...] = ()):
     """A CPU InferenceSession with a fixed thread count, like torch.set_num_threads."""
     import onnxruntime as ort
 
@@ -43,7 +43,8 @@ def ort_session(path: Path, threads: int):
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
     try:
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"],
+                                    disabled_optimizers=list(disabled_optimizers))
     except Exception as exc:
         raise PipelineError(f"ONNX Runtime cannot load {path}: "
                             f"{str(exc).strip().splitlines()[0][:300]}") from exc
