@@ -21,9 +21,9 @@ class Variant:
     int8: bool
     make: Callable | None  # (QuantContext) -> info; None where another stage makes it
     description: str
-    # Its weights were fitted to the training images (train, import, qat): training images say
-    # how well it memorised them, not what quantization cost, so it is judged on the
-    # validation split alone.
+    # Its weights were fitted to the training images (train, import, qat). The report compares
+    # two variants on training images only where they carry the same trained model's weights
+    # (report._fitted_model); elsewhere those images measure memorisation, not quantization.
     trained: bool = False
 
 
