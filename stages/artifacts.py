@@ -15,11 +15,13 @@ import platform
 import re
 import resource
 import shutil
+import signal
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator
 
+from stages import signals
 from stages.errors import PipelineError, UsageError
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -147,6 +149,9 @@ def atomic_path(path: Path) -> Iterator[Path]:
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except Exception as exc:
+        stopped = _stop_behind(exc)
+        if stopped is not None:  # Ctrl-C or SIGTERM inside a tool's writer, which wrapped it
+            raise stopped from None
         failure = _write_failure(exc)
         if failure is None:
             raise
@@ -154,6 +159,20 @@ def atomic_path(path: Path) -> Iterator[Path]:
         raise PipelineError(disk_failure_message(path, failure, written)) from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _stop_behind(exc: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt or SystemExit a tool's error was raised over, if any. A signal
+    that interrupts a write system call runs its Python handler inside the write; torch's zip
+    writer then reports the handler's SystemExit as RuntimeError "unexpected pos 46 vs 0",
+    which reads as a short write: in CI a SIGTERM ended training as a disk failure, exit 1."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def remove_stale_temporaries(folder: Path) -> int:
@@ -166,8 +185,10 @@ def remove_stale_temporaries(folder: Path) -> int:
 
 
 def atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
-    """Call ``write(file)`` on a temporary file and rename it to ``path`` once it is on disk."""
-    with atomic_path(path) as tmp:
+    """Call ``write(file)`` on a temporary file and rename it to ``path`` once it is on disk.
+    Ctrl-C and SIGTERM wait for it (a checkpoint takes moments), so an interrupted run keeps
+    the file it was writing; tools that write for minutes (exporters) use atomic_path alone."""
+    with signals.deferred(signal.SIGINT, signal.SIGTERM), atomic_path(path) as tmp:
         with open(tmp, mode) as f:
             write(f)
             f.flush()

@@ -287,8 +287,8 @@ def test_sigterm_marks_the_stage_failed_and_loses_nothing(tmp_path):
         assert proc.poll() is None and time.monotonic() < deadline, "training never checkpointed"
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr.decode()[-1000:]
     manifest = json.loads((run_root / "manifest.json").read_text())
     assert manifest["stages"]["train"]["status"] == "failed"
     assert manifest["stages"]["train"]["error"].startswith("SystemExit: 143")

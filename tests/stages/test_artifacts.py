@@ -3,6 +3,7 @@ import importlib.metadata
 import json
 import os
 import pickle
+import signal
 import stat
 
 import pytest
@@ -24,6 +25,59 @@ def test_atomic_write_keeps_old_file_when_the_write_fails(tmp_path):
         artifacts.atomic_write(target, explode, mode="w")
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["data.txt"]  # no temporary file left
+
+
+@pytest.fixture
+def sigterm_exits():
+    """SIGTERM handled as the CLI handles it: SystemExit(143) from the handler."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_sigterm_during_a_write_waits_for_the_file(tmp_path, sigterm_exits):
+    """A kill while a checkpoint is written ends the process after the file is whole."""
+    target = tmp_path / "checkpoint.pt"
+
+    def write(f):
+        f.write(b"first half ")
+        signal.raise_signal(signal.SIGTERM)  # its handler runs at the next line of Python
+        f.write(b"second half")
+
+    with pytest.raises(SystemExit) as stopped:
+        artifacts.atomic_write(target, write)
+    assert stopped.value.code == 143
+    assert target.read_bytes() == b"first half second half"
+
+
+def test_a_stop_inside_torch_save_is_not_taken_for_a_full_disk(tmp_path):
+    """A signal that interrupts a write system call runs its handler inside the write; torch's
+    zip writer then raises RuntimeError 'unexpected pos', which also stands for a short write.
+    The SystemExit under it is what ends the process (CI saw exit 1 and a disk message)."""
+    class StoppedMidWrite:
+        def __init__(self, f):
+            self.f, self.calls = f, 0
+
+        def write(self, data):
+            self.calls += 1
+            if self.calls == 3:
+                raise SystemExit(143)
+            return self.f.write(data)
+
+        def flush(self):
+            self.f.flush()
+
+    target = tmp_path / "checkpoint.pt"
+    state = {"weights": torch.zeros(10_000)}
+    with pytest.raises(RuntimeError, match="unexpected pos"):  # what torch makes of it
+        torch.save(state, StoppedMidWrite(open(tmp_path / "plain.pt", "wb")))
+    with pytest.raises(SystemExit) as stopped:
+        artifacts.atomic_write(target, lambda f: torch.save(state, StoppedMidWrite(f)))
+    assert stopped.value.code == 143
+    assert not target.exists() and list(tmp_path.glob(".checkpoint.pt.*")) == []
 
 
 def test_register_records_sha256_and_verified_path_catches_a_flipped_bit(tmp_path):
