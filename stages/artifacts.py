@@ -165,7 +165,8 @@ def _stop_behind(exc: BaseException) -> BaseException | None:
     """The KeyboardInterrupt or SystemExit a tool's error was raised over, if any. A signal
     that interrupts a write system call runs its Python handler inside the write; torch's zip
     writer then reports the handler's SystemExit as RuntimeError "unexpected pos 46 vs 0",
-    which reads as a short write: in CI a SIGTERM ended training as a disk failure, exit 1."""
+    which reads as a short write, so a SIGTERM ended as a disk failure, exit 1 (as it once did
+    in CI, where the test expected 143)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
