@@ -41,9 +41,10 @@ def _verdict_paragraph(report: dict) -> list[str]:
              if m["validation"]["images"] != SELECTION_WORDS]
     if apart:
         lines += [f"Judged on the {models[apart[0]]['validation']['samples']} validation images "
-                  f"alone: {', '.join(f'`{n}`' for n in apart)}. Their weights were trained "
-                  f"apart from `{ref}`'s, so on training images they would differ in how well "
-                  "each model memorised them, not only in what quantization changed.", ""]
+                  f"alone: {', '.join(f'`{n}`' for n in apart)}. Their weights were fine-tuned "
+                  "after training, so on training images they would differ from "
+                  f"`{ref}` in how well they memorised them, not only in what quantization "
+                  "changed.", ""]
     if big["within_noise_of"]:
         lines += [f"Within noise of it at this batch size: "
                   f"{', '.join(f'`{n}`' for n in big['within_noise_of'])} (their speed-up "

@@ -21,9 +21,9 @@ class Variant:
     int8: bool
     make: Callable | None  # (QuantContext) -> info; None where another stage makes it
     description: str
-    # Its weights were fitted to the training images (train, import, qat). The report compares
-    # two variants on training images only where they carry the same trained model's weights
-    # (report._fitted_model); elsewhere those images measure memorisation, not quantization.
+    # Its weights were fitted to the training images (train, import, qat). The report judges a
+    # variant on training images only where its weights come from the train stage
+    # (report.judged_on_training_images); a fine-tuned model fits them differently.
     trained: bool = False
 
 

@@ -74,22 +74,18 @@ class _Manifest:
         return self.entries[name]
 
 
-def test_training_images_judge_only_variants_that_carry_the_reference_weights():
-    one_training = _Manifest({
-        "fp32": {"parent": None, "training": {"same_run_as": "amp"}},
-        "amp": {"parent": None, "training": {}}, "torch-static": {"parent": "amp"},
+def test_training_images_judge_only_variants_whose_weights_come_from_the_train_stage():
+    manifest = _Manifest({
+        "fp32": {"parent": None}, "amp": {"parent": None}, "torch-static": {"parent": "amp"},
         "onnx-fp32": {"parent": "amp"}, "ort-static": {"parent": "onnx-fp32"},
         "torch-qat": {"parent": "amp"}, "ort-qat": {"parent": "torch-qat"}})
-    fitted = {name: report._fitted_model(one_training, name) for name in one_training.entries}
-    assert fitted == {"fp32": "amp", "amp": "amp", "torch-static": "amp", "onnx-fp32": "amp",
-                      "ort-static": "amp", "torch-qat": "torch-qat", "ort-qat": "torch-qat"}
-    # An fp32 baseline trained beside amp: amp and all made from it fitted the images apart.
-    two_trainings = _Manifest(one_training.entries | {"fp32": {"parent": None, "training": {}}})
-    assert report._fitted_model(two_trainings, "fp32") == "fp32"
-    assert report._fitted_model(two_trainings, "ort-static") == "amp"
+    judged = {name: report.judged_on_training_images(manifest, name)
+              for name in manifest.entries}
+    assert judged == {"fp32": True, "amp": True, "torch-static": True, "onnx-fp32": True,
+                      "ort-static": True, "torch-qat": False, "ort-qat": False}
 
 
-def test_a_model_trained_apart_is_judged_on_the_validation_split_alone(tiny_run):
+def test_a_fine_tuned_model_is_judged_on_the_validation_split_alone(tiny_run):
     from stages import runtimes
     from stages.data import splits_of_run
     from stages.evaluate import predict_dataset
@@ -97,19 +93,26 @@ def test_a_model_trained_apart_is_judged_on_the_validation_split_alone(tiny_run)
     run, data = tiny_run["run"], tiny_run["report"]
     splits = splits_of_run(run)
     models = {m["name"]: m for m in data["models"]}
-    assert models["fp32"]["validation"]["samples"] > len(splits.val)  # training images too
-    for name, model in models.items():  # amp was trained apart, in bf16; torch-qat came from it
-        if name != "fp32":
-            assert model["validation"]["samples"] == len(splits.val), name
-            assert model["validation"]["images"] == "validation split", name
+    fine_tuned = {"torch-qat", "ort-qat"} & set(models)
+    assert "torch-qat" in fine_tuned
+    for name, model in models.items():
+        judged = model["validation"]
+        if name in fine_tuned:
+            assert (judged["samples"], judged["images"]) == (len(splits.val), "validation split")
+        else:  # training images too
+            assert judged["samples"] > len(splits.val), name
+            assert judged["images"] == "validation split and held-out training images", name
+            assert judged["change_vs_reference"]["difference"] == pytest.approx(
+                judged["accuracy"] - models["fp32"]["validation"]["accuracy"])
     # Paired with fp32 on the same images: fp32's accuracy on the validation split alone.
     logits, labels = predict_dataset(runtimes.load(run, "fp32", 1).predict, splits.val)
     fp32_on_validation = (logits.argmax(1) == labels).sum().item() / len(labels)
-    for name in ("amp", "torch-qat"):
+    for name in fine_tuned:
         judged = models[name]["validation"]
         assert judged["change_vs_reference"]["difference"] == pytest.approx(
             judged["accuracy"] - fp32_on_validation)
-    assert data["verdict"]["chosen_on"] == "validation split"
+    verdict = data["verdict"]
+    assert verdict["chosen_on"] == models[verdict["recommended"]]["validation"]["images"]
 
 
 def _row(name, p50_rounds, validation_drop, test_drop=0.0, int8=True, size=1.0):
@@ -171,8 +174,8 @@ def test_report_markdown_says_what_it_chose_on_and_what_it_measured(tiny_run):
     assert markdown_text.startswith("# Report for run `tiny`")
     assert "**Ship `" in markdown_text
     assert "within 1 point(s) of `fp32` on held-out images (" in markdown_text
-    # amp trained apart from fp32 (bf16), so every variant but fp32 is judged on validation images.
-    assert "validation images alone: `amp`, `fp32-compiled`" in markdown_text
+    assert "validation images alone: `torch-qat`, `ort-qat`. Their weights were fine-tuned" \
+        in markdown_text
     assert "On the test split, which chose nothing" in markdown_text
     assert "At batch 1 the fastest within the budget is" in markdown_text
     assert "| `openvino-int8` | OpenVINO" in markdown_text
