@@ -1,4 +1,5 @@
 """Static int8 choices: --auto, the sensitivity fallback, and dynamic int8 on a Linear-heavy model."""
+import pytest
 import torch
 
 from pipeline.config import QuantizeConfig, TrainConfig
@@ -128,3 +129,60 @@ def test_labels_name_every_choice_a_configuration_makes():
     assert tuning.label({"preset": "PERFORMANCE"}) == "performance preset"
     assert tuning.label({"per_channel": True, "weight_bits": 7}) == "per-channel 7-bit weights"
     assert tuning.label({"per_channel": False, "weight_bits": 8}) == "per-tensor"
+
+
+def _scripted_fallback(monkeypatch, layers, logit_mse_of):
+    """keep_sensitive_layers_float with every trial scored by logit_mse_of(float_layers),
+    each 0.01 of logit error costing one point; returns its record and the trials it built."""
+    built = []
+
+    def score(backend, options, float_layers, reference):
+        built.append(tuple(float_layers))
+        mse = logit_mse_of(tuple(float_layers))
+        return tuning.Trial(options, tuple(float_layers), None, 0.9, mse * 100, mse, 0.9)
+
+    monkeypatch.setattr(tuning, "score", score)
+    record = tuning.keep_sensitive_layers_float({}, {}, layers, {}, budget_points=1.0)
+    return record, built
+
+
+def test_the_fallback_tries_only_layers_that_help_alone(monkeypatch):
+    layers = [f"conv{i}" for i in range(30)]
+    helpful = {"conv3": 0.01, "conv17": 0.02, "conv25": 0.005}  # what each takes off alone
+
+    def logit_mse(float_layers):
+        return 0.06 - sum(helpful.get(layer, -0.001) for layer in float_layers)
+
+    record, built = _scripted_fallback(monkeypatch, layers, logit_mse)
+    assert len(built) == 1 + 30 + 3  # plain int8, each layer alone, then the three that help
+    assert record["trial"].float_layers == ("conv17", "conv3", "conv25")
+    assert not record["met_budget"] and record["trial"].drop_points == pytest.approx(2.5)
+    assert record["stopped"] == "every layer that helps alone was tried"
+    assert [r["layer"] for r in record["ranking"][:3]] == ["conv17", "conv3", "conv25"]
+
+
+def test_the_fallback_gives_up_after_layers_in_a_row_that_do_not_help(monkeypatch):
+    layers = [f"conv{i}" for i in range(30)]
+
+    def logit_mse(float_layers):
+        # Each helps alone, a little less down the list; together only the first counts.
+        if not float_layers:
+            return 0.05
+        return 0.04 - 0.0001 * int(float_layers[0][4:])
+
+    record, built = _scripted_fallback(monkeypatch, layers, logit_mse)
+    patience = tuning.FALLBACK_PATIENCE
+    assert len(built) == 1 + 30 + 1 + patience
+    assert record["trial"].float_layers == ("conv29",)  # the one that helped most alone
+    assert record["stopped"] == f"{patience} layers in a row brought the logits no closer"
+
+
+def test_the_fallback_stops_as_soon_as_the_budget_holds(monkeypatch):
+    layers = [f"conv{i}" for i in range(10)]
+
+    def logit_mse(float_layers):
+        return 0.03 - 0.011 * len(float_layers) if "conv0" not in float_layers else 0.05
+
+    record, built = _scripted_fallback(monkeypatch, layers, logit_mse)
+    assert record["met_budget"] and len(record["trial"].float_layers) == 2
+    assert len(built) == 1 + 10 + 2 and record["stopped"] == "budget met"
