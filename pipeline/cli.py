@@ -7,6 +7,7 @@ imports torch at module level, so `--help` is instant.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Callable
@@ -149,20 +150,20 @@ def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Pa
     _cap_isa_before_any_kernel(ctx, processors)
     world = distributed.setup(ctx.obj["device"])  # a single process unless torchrun started us
     try:
-        run = None
-        creates = processors[0][0] in CREATES_A_RUN and not ctx.obj.get("resume")
-        if not creates:
+        if processors[0][0] in CREATES_A_RUN and not ctx.obj.get("resume"):
+            # Rank 0 makes the run folder; every rank then works on the same run.
+            name = artifacts.create_run(artifacts_dir, run_name).name if world.is_main else None
+            run = artifacts.Run(Path(artifacts_dir), distributed.broadcast(name))
+            if world.is_main:
+                click.echo(f"run {run.name}: {run.root}", err=True)
+        else:
             run = artifacts.open_run(artifacts_dir, run_name)  # fails before any work starts
-        for i, (stage, process) in enumerate(processors):
-            if i == 0 and creates:
-                # Rank 0 makes the run folder; every rank then works on the same run.
-                name = artifacts.create_run(artifacts_dir, run_name).name if world.is_main else None
-                run = artifacts.Run(Path(artifacts_dir), distributed.broadcast(name))
-                if world.is_main:
-                    click.echo(f"run {run.name}: {run.root}", err=True)
-            if stage not in ("train", "qat") and not world.is_main:
-                continue  # quantize and report are single-process work for rank 0
-            _run_stage(run, stage, process, world.is_main)
+        stages = " ".join(stage for stage, _ in processors)
+        with artifacts.hold_run(run, stages) if world.is_main else contextlib.nullcontext():
+            for stage, process in processors:
+                if stage not in ("train", "qat") and not world.is_main:
+                    continue  # quantize and report are single-process work for rank 0
+                _run_stage(run, stage, process, world.is_main)
     finally:
         distributed.teardown()
 

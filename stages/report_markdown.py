@@ -37,12 +37,12 @@ def _verdict_paragraph(report: dict) -> list[str]:
         f"{v['size_ratio']:.2f}x its size. On the test split, which chose nothing, it scores "
         f"{v['test_accuracy']:.2%}, {v['accuracy_change_points']:+.2f} points against `{ref}` "
         f"(95% interval {low:+.2f} to {high:+.2f}, {noise}).", ""]
-    apart = [m["name"] for m in report["models"]
-             if m["validation"]["images"] != SELECTION_WORDS]
-    if apart:
-        lines += [f"Judged on the {models[apart[0]]['validation']['samples']} validation images "
-                  f"alone: {', '.join(f'`{n}`' for n in apart)}. Their weights were fine-tuned "
-                  "after training, so on training images they would differ from "
+    fine_tuned = [m["name"] for m in report["models"]
+                  if m["validation"]["images"] != SELECTION_WORDS]
+    if fine_tuned:
+        lines += [f"Judged on the {models[fine_tuned[0]]['validation']['samples']} validation "
+                  f"images alone: {', '.join(f'`{n}`' for n in fine_tuned)}. Their weights were "
+                  "fine-tuned after training, so on training images they would differ from "
                   f"`{ref}` in how well they memorised them, not only in what quantization "
                   "changed.", ""]
     if big["within_noise_of"]:

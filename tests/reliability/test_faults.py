@@ -322,3 +322,33 @@ def test_a_sigterm_while_the_failure_is_written_waits_for_it(tmp_path, monkeypat
     stage = artifacts.open_run(tmp_path, "held").manifest()["stages"]["train"]
     assert stage["status"] == "failed"
     assert stage["error"] == "RuntimeError: training broke"
+
+
+def test_a_run_in_use_by_another_process_is_refused_until_that_process_dies(tmp_path):
+    """Two processes on one run would each write the manifest back over the other's entries:
+    the second is refused before it starts, and a holder killed with SIGKILL frees the run."""
+    run = artifacts.create_run(tmp_path, "busy")
+    manifest = run.manifest_path.read_bytes()
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\nfrom stages import artifacts\n"
+         f"run = artifacts.open_run({str(tmp_path)!r}, 'busy')\n"
+         "with artifacts.hold_run(run, 'train quantize'):\n"
+         "    print('held', flush=True)\n    time.sleep(120)\n"],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "--run", "busy",
+                                          "report"])
+        assert result.exit_code == 2, result.output
+        lines = result.stderr.strip().splitlines()
+        assert lines == [f"pipeline: error: run 'busy' is in use by another pipeline process "
+                         f"(pid {holder.pid}: train quantize); wait for it to end, or give "
+                         "another --run"], result.stderr
+        assert run.manifest_path.read_bytes() == manifest  # no stage marked, nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+    result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "--run", "busy", "report"])
+    assert "in use" not in result.stderr  # the kernel let go of the dead holder's lock
+    assert "report" in run.manifest()["stages"]
