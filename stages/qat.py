@@ -82,6 +82,39 @@ def recompute_batchnorm(graph, dataset, batch_size: int, device) -> None:
     graph.recompile()
 
 
+def switch_off_stochastic_depth(model) -> list[str]:
+    """Switch stochastic depth off (torchvision's StochasticDepth, timm's DropPath) in a model
+    about to be exported for training: there it becomes random ops (bernoulli_) that
+    torchao's move_exported_model_to_eval leaves in place (it rewrites dropout and BatchNorm
+    only), so the int8 model would go on dropping residual branches at random, as
+    efficientnet_b0's did. The names of the blocks switched off."""
+    names = []
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if kind == "StochasticDepth" and module.p > 0:
+            module.p = 0.0
+            names.append(name)
+        elif kind == "DropPath" and getattr(module, "drop_prob", 0) > 0:
+            module.drop_prob = 0.0
+            names.append(name)
+    return names
+
+
+RANDOM_OPS = ("bernoulli", "rand", "normal", "uniform", "multinomial", "poisson")
+
+
+def refuse_random_ops(graph, model_name: str) -> None:
+    """An exported graph in eval mode that still draws random numbers would make a random
+    int8 model: refused before any fine-tuning, naming the ops."""
+    found = sorted({str(n.target) for n in graph.graph.nodes if n.op == "call_function"
+                    and any(word in str(n.target) for word in RANDOM_OPS)})
+    if found:
+        raise PipelineError(f"qat: {model_name} draws random numbers in training that stay in "
+                            f"its exported graph in eval mode ({', '.join(found)}), so its int8 "
+                            "model would not be deterministic; use nn.Dropout for such noise, "
+                            "or switch it off for fine-tuning")
+
+
 def _precision(config, run: Run, device) -> Precision:
     """auto: the precision the float model was trained in, where this device has it."""
     if config.precision != "auto":
@@ -105,11 +138,19 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
 
     seed_everything(config.seed)
     splits = ctx.splits
-    graph = torch_runtime.export_graph(copy.deepcopy(ctx.float_model()), ctx.spec, train=True)
+    model = copy.deepcopy(ctx.float_model())
+    stochastic_depth_off = switch_off_stochastic_depth(model)
+    if stochastic_depth_off:
+        say(f"qat: stochastic depth switched off in {len(stochastic_depth_off)} blocks for "
+            "fine-tuning (exported for training it would stay random in the int8 model)",
+            quiet=config.quiet)
+    graph = torch_runtime.export_graph(model, ctx.spec, train=True)
     options = torch_runtime.pt2e_options()
     prepared = quantize_pt2e.prepare_qat_pt2e(
         graph, torch_runtime.make_quantizer(options, qat=True)).to(device)
     allow_exported_model_train_eval(prepared)  # .eval() where scoring calls it
+    move_exported_model_to_eval(prepared)
+    refuse_random_ops(prepared, ctx.spec["model"])
     sampler = EpochSampler(len(splits.train), config.seed)
     loader = make_loader(splits.train, config.batch_size, sampler)
     optimizer = torch.optim.SGD(prepared.parameters(), lr=config.lr, momentum=0.9,
@@ -156,6 +197,7 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
     prepared.load_state_dict(best)
     move_exported_model_to_eval(prepared)
     return prepared.cpu(), {"history": history, "precision": precision.name,
+                            "stochastic_depth_off": stochastic_depth_off,
                             "seconds": time.perf_counter() - started}
 
 

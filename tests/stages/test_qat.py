@@ -7,6 +7,7 @@ import torch
 from pipeline.config import QatConfig, TrainConfig
 from stages import qat
 from stages.data import load_splits
+from stages.errors import PipelineError
 from stages.runtimes import pytorch as torch_runtime
 from tests.conftest import TINY_TRAIN
 
@@ -205,3 +206,74 @@ def test_ort_qat_refusal_names_onnx_runtimes_bias_rounding_where_it_is_the_cause
     assert "WeightBiasQuantization step off they agree on 100.0%" in cause
     # Where turning that step off does not restore agreement, it names no cause.
     assert qat.bias_rounding_cause(path, unfused.flip(1), images) == ""
+
+
+RANDOM_NETS = """
+import torch
+import torch.nn as nn
+from torchvision.ops import StochasticDepth
+
+
+class Residual(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.bn = nn.BatchNorm2d(channels)
+        self.drop = StochasticDepth(0.5, "row")
+
+    def forward(self, x):
+        return x + self.drop(torch.relu(self.bn(self.conv(x))))
+
+
+class Noise(nn.Module):
+    def forward(self, x):
+        return x + 0.1 * torch.randn_like(x) if self.training else x
+
+
+def _net(num_classes, in_channels, *middle):
+    return nn.Sequential(nn.Conv2d(in_channels, 8, 3, padding=1), nn.ReLU(), *middle,
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes))
+
+
+def deep(num_classes, in_channels):
+    return _net(num_classes, in_channels, Residual(8), Residual(8))
+
+
+def noisy(num_classes, in_channels):
+    return _net(num_classes, in_channels, Noise())
+"""
+
+
+def _user_run(tmp_path, monkeypatch, factory):
+    from stages import artifacts, train
+
+    (tmp_path / "qat_random_nets.py").write_text(RANDOM_NETS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = artifacts.create_run(tmp_path / "artifacts", factory)
+    train.run(TrainConfig(**TINY_TRAIN | {"model": f"qat_random_nets:{factory}", "epochs": 1,
+                                          "baseline": False}), run)
+    return run
+
+
+def test_stochastic_depth_is_off_in_fine_tuning_so_the_int8_model_is_deterministic(
+        tmp_path, monkeypatch):
+    """Exported for training, StochasticDepth becomes bernoulli_ ops that eval mode keeps:
+    efficientnet_b0's torch-qat drew new predictions on every call."""
+    run = _user_run(tmp_path, monkeypatch, "deep")
+    qat.run(QatConfig(epochs=1, quiet=True), run)
+    info = run.entry("torch-qat")["quantization"]
+    assert info["stochastic_depth_off"] == ["2.drop", "3.drop"]
+    graph = torch_runtime.load_pt2e(run, "torch-qat")
+    assert not [n for n in graph.graph.nodes if "bernoulli" in str(n.target)]
+    images = load_splits(TrainConfig(**TINY_TRAIN)).val.tensors[0][:64]
+    assert torch.equal(graph(images), graph(images))
+
+
+def test_a_model_that_stays_random_in_eval_mode_is_refused_before_fine_tuning(
+        tmp_path, monkeypatch):
+    run = _user_run(tmp_path, monkeypatch, "noisy")
+    with pytest.raises(PipelineError, match=r"qat: qat_random_nets:noisy draws random numbers "
+                                            r"in training that stay in its exported graph in "
+                                            r"eval mode \(aten\.randn_like\.default\)"):
+        qat.run(QatConfig(epochs=1, quiet=True), run)
+    assert "torch-qat" not in run.artifacts()
