@@ -52,6 +52,9 @@ def test_the_qat_stage_leaves_a_checked_int8_model(tiny_run):
     assert info["qat"] is True and [h["epoch"] for h in info["history"]] == [1]
     assert info["op_counts"]["Conv"] == {"int8": 3, "float": 0}
     assert info["parity_vs_source"]["top1_agreement"] > 0.5
+    # Inductor's int8 kernels against the graph they were compiled from, on the check images
+    assert info["compiled_vs_graph"]["samples"] == 128
+    assert info["compiled_vs_graph"]["top1_agreement"] >= 0.9
     qat_row = next(m for m in tiny_run["report"]["models"] if m["name"] == "torch-qat")
     assert qat_row["int8"] and qat_row["size_bytes"] < 0.6 * run.shipped_bytes("fp32")
 
