@@ -514,11 +514,14 @@ def hold_run(run: Run, doing: str) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "pid unknown"
             raise UsageError(f"run {run.name!r} is in use by another pipeline process "
                              f"({holder}); wait for it to end, or give another --run") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}: {doing}".encode(), 0)
+        try:  # who holds it, for that message; a full disk must not stop the run for it
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()}: {doing}".encode(), 0)
+        except OSError:
+            pass
         yield
     finally:
         os.close(fd)  # releases the lock
