@@ -109,9 +109,8 @@ def keep_sensitive_layers_float(backend: dict, options: dict, layers: list[str],
                                 budget_points: float,
                                 say: Callable[[str], None] = lambda _: None) -> dict:
     """Rank layers by how much leaving each one alone in float brings the logits back, then keep
-    the most sensitive in float, one more at a time, until the accuracy budget holds. Only
-    layers that help alone are tried, and the pass gives up after FALLBACK_PATIENCE in a row
-    that do not help with the others."""
+    the most sensitive in float, one more at a time, until the accuracy budget holds; the pass
+    gives up after FALLBACK_PATIENCE layers in a row that do not help with those kept."""
     baseline = score(backend, options, (), reference)
     say(f"  ranking {len(layers)} layers: one model built and scored per layer, then one per "
         "layer kept (minutes on a deep model: about 5 for mnasnet0_5's 53 layers here)")
@@ -122,9 +121,11 @@ def keep_sensitive_layers_float(backend: dict, options: dict, layers: list[str],
     ranked = sorted(gains, key=lambda g: -g[0])
     kept: list[str] = []
     trial, unhelpful = baseline, 0
-    for gain, layer in ranked:
-        # Ranked by gain: past the first layer that does not help alone, none does.
-        if _within(trial, budget_points) or gain <= 0 or unhelpful == FALLBACK_PATIENCE:
+    for _, layer in ranked:
+        # A layer that does not help alone may still help with those kept (an outlier channel
+        # and the convolution that reads it), so every layer stays a candidate until the
+        # patience runs out.
+        if _within(trial, budget_points) or unhelpful == FALLBACK_PATIENCE:
             break
         candidate = score(backend, options, tuple(kept + [layer]), reference)
         say(f"  float: {', '.join(kept + [layer])} -> {0.0 - candidate.drop_points:+.2f} points")
@@ -140,7 +141,7 @@ def keep_sensitive_layers_float(backend: dict, options: dict, layers: list[str],
     elif unhelpful == FALLBACK_PATIENCE:
         stopped = f"{FALLBACK_PATIENCE} layers in a row brought the logits no closer"
     else:
-        stopped = "every layer that helps alone was tried"
+        stopped = "every layer was tried"
     say(f"  {len(kept)} layer(s) kept in float, {0.0 - trial.drop_points:+.2f} points: {stopped}")
     return {"trial": trial, "met_budget": _within(trial, budget_points), "stopped": stopped,
             "ranking": [{"layer": layer, "logit_mse_gain": gain} for gain, layer in ranked],
