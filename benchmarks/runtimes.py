@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pipeline.config import ReportConfig
 from stages import report
-from stages.artifacts import open_run
+from stages.shared.artifacts import open_run
 
 
 def table(result: dict) -> str:

@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 
 from pipeline.config import TrainConfig
-from stages import artifacts, train
-from stages.data import load_splits
-from stages.models import build_model
-from stages.precision import Precision, autocast, resolve_device
+from stages import train
+from stages.shared import artifacts
+from stages.shared.data import load_splits
+from stages.shared.models import build_model
+from stages.shared.precision import Precision, autocast, resolve_device
 
 
 def bare_loop(config: TrainConfig, splits, precision: Precision, device) -> float:

@@ -43,7 +43,7 @@ class PipelineGroup(click.Group):
         except KeyboardInterrupt:
             _fail("interrupted; files already written are complete, the rest were not written", 130)
         except Exception as exc:
-            from stages.errors import PipelineError
+            from stages.shared.errors import PipelineError
 
             if debug:
                 raise
@@ -140,7 +140,7 @@ def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Pa
               run_name: str | None, **_: object) -> None:
     """Open (or, for train and import, create) the run once, then apply every stage to it in
     order. Training (train, qat) runs on every torchrun rank; the rest on rank 0 alone."""
-    from stages import artifacts, distributed
+    from stages.shared import artifacts, distributed
 
     if not processors:
         return
@@ -173,11 +173,11 @@ def _cap_isa_before_any_kernel(ctx: click.Context, processors: list[Processor]) 
     (stages/precision.py says why); this is the last moment before any runs."""
     if not any(stage in ("train", "qat") for stage, _ in processors):
         return
-    from stages.precision import cap_isa_for_bf16_training
+    from stages.shared.precision import cap_isa_for_bf16_training
 
     precision = ctx.obj.get("train_precision") or "auto"
     if ctx.obj.get("resume"):  # the precision the run was started with
-        from stages.artifacts import open_run
+        from stages.shared.artifacts import open_run
 
         chosen = ctx.obj["chosen"]
         try:
@@ -217,7 +217,7 @@ def _status_write():
     """What a stage's status write holds back: Ctrl-C, kill and torchrun, dying loader workers."""
     import signal
 
-    from stages.signals import deferred
+    from stages.shared.signals import deferred
 
     return deferred(signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)
 

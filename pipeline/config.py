@@ -147,7 +147,7 @@ class TrainConfig:
         _at_least("--grad-clip", self.grad_clip, 0.0)
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
-        from stages.models import check_model_name
+        from stages.shared.models import check_model_name
 
         check_model_name(self.model)
 
@@ -181,7 +181,7 @@ class ImportConfig:
         if self.in_channels is not None:
             _choice("--in-channels", self.in_channels, (1, 3))
         _at_least("--image-size", self.image_size, 8)
-        from stages.models import check_model_name
+        from stages.shared.models import check_model_name
 
         check_model_name(self.model)
 

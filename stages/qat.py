@@ -15,16 +15,23 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from stages import onnx_export, runtimes
-from stages.artifacts import Run
-from stages.data import EpochSampler, make_loader, splits_of_run
-from stages.errors import PipelineError
-from stages.evaluate import compare_logits, dataset_accuracy, predict
-from stages.precision import Precision, autocast, grad_scaler, resolve_device, seed_everything
-from stages.progress import progress, say
+from stages import runtimes
 from stages.quantize import QuantContext, float_source
+from stages.runtimes import onnx_export
 from stages.runtimes import pytorch as torch_runtime
 from stages.runtimes.onnxruntime import onnx_op_counts, ort_predict, ort_session
+from stages.shared.artifacts import Run
+from stages.shared.data import EpochSampler, make_loader, splits_of_run
+from stages.shared.errors import PipelineError
+from stages.shared.evaluate import compare_logits, dataset_accuracy, predict
+from stages.shared.precision import (
+    Precision,
+    autocast,
+    grad_scaler,
+    resolve_device,
+    seed_everything,
+)
+from stages.shared.progress import progress, say
 
 PARITY_MIN_AGREEMENT = 0.98
 BATCH_NORM_OPS = ("aten.batch_norm.default", "aten._native_batch_norm_legit.default",
@@ -132,9 +139,13 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
     from stages.train import DeviceSums, Parts, _lr_lambda, train_step
 
     quantize_pt2e, _ = torch_runtime._pt2e()
-    from torchao.quantization.pt2e import (allow_exported_model_train_eval, disable_observer,
-                                           enable_observer, move_exported_model_to_eval,
-                                           move_exported_model_to_train)
+    from torchao.quantization.pt2e import (
+        allow_exported_model_train_eval,
+        disable_observer,
+        enable_observer,
+        move_exported_model_to_eval,
+        move_exported_model_to_train,
+    )
 
     seed_everything(config.seed)
     splits = ctx.splits

@@ -13,12 +13,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from stages import runtimes
-from stages.artifacts import Run
-from stages.data import DataSplits, calibration_batches, check_calibration, first_images, \
-    splits_of_run, tuning_images
-from stages.errors import PipelineError, UsageError
-from stages.evaluate import accuracy
-from stages.progress import say
+from stages.shared.artifacts import Run
+from stages.shared.data import (
+    DataSplits,
+    calibration_batches,
+    check_calibration,
+    first_images,
+    splits_of_run,
+    tuning_images,
+)
+from stages.shared.errors import PipelineError, UsageError
+from stages.shared.evaluate import accuracy
+from stages.shared.progress import say
+
 
 def float_source(run: Run) -> str:
     """The variant every quantized model is made from: `amp`, else an imported `fp32`."""

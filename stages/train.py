@@ -22,22 +22,42 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from stages import distributed, signals
-from stages.artifacts import (Run, atomic_torch_save, atomic_write, atomic_write_text,
-                              remove_stale_temporaries)
-from stages.bench import isa
-from stages.checkpoints import (Checkpointer, best_weights, cpu_state_dict,
-                                newest_good_checkpoint, restore_rng, rng_state, weights_digest)
-from stages.data import DataSplits, EpochSampler, expected_shape, load_splits, make_loader
-from stages.errors import PipelineError
-from stages.evaluate import dataset_accuracy
-from stages.memory import PeakMemory
-from stages.models import build_model, check_model_fits, model_spec
-from stages.precision import (Precision, auto_precision_note, autocast,
-                              cap_isa_for_bf16_training, grad_scaler, resolve_device,
-                              resolve_precision, seed_everything, set_deterministic)
-from stages.progress import progress, say
-from stages.weights import initial_weights
+from stages.shared import distributed, signals
+from stages.shared.artifacts import (
+    Run,
+    atomic_torch_save,
+    atomic_write,
+    atomic_write_text,
+    remove_stale_temporaries,
+)
+from stages.shared.bench import isa
+from stages.shared.checkpoints import (
+    Checkpointer,
+    best_weights,
+    cpu_state_dict,
+    newest_good_checkpoint,
+    restore_rng,
+    rng_state,
+    weights_digest,
+)
+from stages.shared.data import DataSplits, EpochSampler, expected_shape, load_splits, make_loader
+from stages.shared.errors import PipelineError
+from stages.shared.evaluate import dataset_accuracy
+from stages.shared.memory import PeakMemory
+from stages.shared.models import build_model, check_model_fits, model_spec
+from stages.shared.precision import (
+    Precision,
+    auto_precision_note,
+    autocast,
+    cap_isa_for_bf16_training,
+    grad_scaler,
+    resolve_device,
+    resolve_precision,
+    seed_everything,
+    set_deterministic,
+)
+from stages.shared.progress import progress, say
+from stages.shared.weights import initial_weights
 
 LOG_EVERY_CUDA = 50
 MEMORY_PROBE_STEPS = 8

@@ -6,7 +6,7 @@ stages/precision.py); the CLI does that, and so does this file for tests that tr
 """
 from __future__ import annotations
 
-from stages.precision import cap_isa_for_bf16_training
+from stages.shared.precision import cap_isa_for_bf16_training
 
 cap_isa_for_bf16_training("bf16", "cpu")  # before any test imports torch and runs a kernel
 
@@ -27,7 +27,8 @@ ALL_VARIANTS = ["fp32", "amp", "fp32-compiled", "torch-dynamic", "torch-static",
 def tiny_run(tmp_path_factory):
     """A complete run folder of the tiny model with every variant and a report. The amp model
     trains in bf16 whatever the CPU, so that mixed precision is what is tested."""
-    from stages import artifacts, qat, quantize, report, train
+    from stages import qat, quantize, report, train
+    from stages.shared import artifacts
 
     run = artifacts.create_run(tmp_path_factory.mktemp("artifacts"), "tiny")
     train_results = train.run(TrainConfig(**TINY_TRAIN | {"precision": "bf16",
@@ -40,7 +41,8 @@ def tiny_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def _fresh_template(tmp_path_factory):
-    from stages import artifacts, quantize, train
+    from stages import quantize, train
+    from stages.shared import artifacts
 
     run = artifacts.create_run(tmp_path_factory.mktemp("template") / "artifacts", "fresh")
     train.run(TrainConfig(**TINY_TRAIN | {"precision": "fp32"}), run)
@@ -54,7 +56,7 @@ def fresh_tiny_run(_fresh_template, tmp_path):
     torch-static; a copy of one made once per session."""
     import shutil
 
-    from stages import artifacts
+    from stages.shared import artifacts
 
     shutil.copytree(_fresh_template.artifacts_dir, tmp_path / "artifacts")
     return artifacts.open_run(tmp_path / "artifacts", "fresh")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.precision import resolve_precision
+from stages.shared.precision import resolve_precision
 from tests.conftest import ALL_VARIANTS
 
 

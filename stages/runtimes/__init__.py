@@ -87,4 +87,6 @@ def summarize_ops(counts: dict[str, dict[str, int]]) -> str:
 
 
 # The runtimes register themselves on import, in the report's order.
-from stages.runtimes import pytorch, onnxruntime, openvino  # noqa: E402,F401
+from stages.runtimes import pytorch  # noqa: E402,F401,I001  isort: skip
+from stages.runtimes import onnxruntime  # noqa: E402,F401  isort: skip
+from stages.runtimes import openvino  # noqa: E402,F401  isort: skip

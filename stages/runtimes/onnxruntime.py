@@ -14,13 +14,13 @@ import shutil
 from collections import defaultdict
 from pathlib import Path
 
-from stages import onnx_export, tuning
-from stages.artifacts import atomic_path
-from stages.bench import cpu_has_vnni
-from stages.errors import PipelineError
-from stages.evaluate import compare_logits, predict
-from stages.onnx_export import INPUT_NAME, OUTPUT_NAME
-from stages.runtimes import FLOAT, Loaded, declare, loader, variant
+from stages.runtimes import FLOAT, Loaded, declare, loader, onnx_export, variant
+from stages.runtimes.onnx_export import INPUT_NAME, OUTPUT_NAME
+from stages.shared import tuning
+from stages.shared.artifacts import atomic_path
+from stages.shared.bench import cpu_has_vnni
+from stages.shared.errors import PipelineError
+from stages.shared.evaluate import compare_logits, predict
 
 QUANT_PLUMBING = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"}
 COMPUTE_OPS = {"Conv": "Conv", "ConvTranspose": "Conv", "MatMul": "Linear", "Gemm": "Linear"}
@@ -145,8 +145,12 @@ def layer_groups(path: Path) -> dict[str, list[str]]:
 def quantize_static(pre_processed: Path, path: Path, batches, options: dict,
                     nodes_to_exclude: list[str] | None = None) -> dict:
     """Static int8 of a pre-processed model, calibrated on ``batches`` of training images."""
-    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat,
-                                          QuantType)
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+    )
     from onnxruntime.quantization import quantize_static as ort_quantize_static
 
     _quiet_ort_logging()

@@ -14,11 +14,11 @@ import logging
 import shutil
 from pathlib import Path
 
-from stages import tuning
-from stages.artifacts import atomic_path
-from stages.errors import PipelineError
-from stages.evaluate import compare_logits
 from stages.runtimes import Loaded, loader, variant
+from stages.shared import tuning
+from stages.shared.artifacts import atomic_path
+from stages.shared.errors import PipelineError
+from stages.shared.evaluate import compare_logits
 
 INPUT_NAME = "input"
 COMPUTE_LAYERS = {"Convolution": "Conv", "Deconvolution": "Conv", "FullyConnected": "Linear",

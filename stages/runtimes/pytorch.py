@@ -16,13 +16,13 @@ import functools
 import re
 import warnings
 
-from stages import graph_file, tuning
-from stages.artifacts import atomic_torch_save, load_checkpoint
-from stages.bench import cpu_has_vnni
-from stages.errors import PipelineError
-from stages.evaluate import compare_logits, predict
-from stages.models import build_from_spec
-from stages.runtimes import FLOAT, Loaded, declare, loader, variant
+from stages.runtimes import FLOAT, Loaded, declare, graph_file, loader, variant
+from stages.shared import tuning
+from stages.shared.artifacts import atomic_torch_save, load_checkpoint
+from stages.shared.bench import cpu_has_vnni
+from stages.shared.errors import PipelineError
+from stages.shared.evaluate import compare_logits, predict
+from stages.shared.models import build_from_spec
 
 # What Inductor emits for each kind of kernel (torch 2.14, torchao 0.18).
 KERNELS = {

@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from stages import artifacts
-from stages.checkpoints import weights_digest
+from stages.shared import artifacts
+from stages.shared.checkpoints import weights_digest
 
 TRAIN = ["train", "--model", "smallcnn", "--image-size", "32", "--batch-size", "16", "--epochs",
          "3", "--no-baseline", "--checkpoint-every", "10", "--deterministic", "--no-measure-memory"]

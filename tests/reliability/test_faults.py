@@ -16,8 +16,9 @@ from click.testing import CliRunner
 from pipeline import cli as cli_module
 from pipeline.cli import cli
 from pipeline.config import TrainConfig
-from stages import artifacts, train
-from stages.errors import PipelineError
+from stages import train
+from stages.shared import artifacts
+from stages.shared.errors import PipelineError
 from tests.conftest import TINY_TRAIN
 
 # resnet18 in fp32 at 16x16 (a configuration far from the numerical edge), checkpointed
@@ -90,8 +91,9 @@ FAULTY_WORKER = '''
 import os, signal, sys, time
 import torch
 from pipeline.config import TrainConfig
-from stages import artifacts, train
-from stages.errors import PipelineError
+from stages.shared import artifacts
+from stages import train
+from stages.shared.errors import PipelineError
 from tests.conftest import TINY_TRAIN
 
 class Faulty(torch.utils.data.Dataset):

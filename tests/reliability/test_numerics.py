@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from pipeline.config import QuantizeConfig, ReportConfig, TrainConfig
-from stages import artifacts, quantize, report, train
-from stages.data import splits_of_run
-from stages.errors import PipelineError
-from stages.evaluate import predict
+from stages import quantize, report, train
 from stages.runtimes import pytorch as torch_runtime
+from stages.shared import artifacts
+from stages.shared.data import splits_of_run
+from stages.shared.errors import PipelineError
+from stages.shared.evaluate import predict
 from tests.conftest import TINY_REPORT, TINY_TRAIN
 
 

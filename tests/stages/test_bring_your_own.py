@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from pipeline.config import ImportConfig, TrainConfig
-from stages import artifacts, import_model, train, weights
-from stages.errors import PipelineError
+from stages import import_model, train
+from stages.shared import artifacts, weights
+from stages.shared.errors import PipelineError
 
 USER_MODULE = """
 import torch.nn as nn

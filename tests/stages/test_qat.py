@@ -6,15 +6,15 @@ import torch
 
 from pipeline.config import QatConfig, TrainConfig
 from stages import qat
-from stages.data import load_splits
-from stages.errors import PipelineError
 from stages.runtimes import pytorch as torch_runtime
+from stages.shared.data import load_splits
+from stages.shared.errors import PipelineError
 from tests.conftest import TINY_TRAIN
 
 
 def test_frozen_batchnorm_keeps_its_statistics_while_training_goes_on():
     quantize_pt2e, _ = torch_runtime._pt2e()
-    from stages.builtin_models import smallcnn
+    from stages.shared.builtin_models import smallcnn
 
     spec = {"model": "smallcnn", "num_classes": 10, "in_channels": 1, "image_size": 8}
     graph = torch_runtime.export_graph(smallcnn(10, 1), spec, train=True)
@@ -65,7 +65,7 @@ def test_batchnorm_statistics_of_the_qat_graph_are_recomputed_from_training_imag
     model's own BatchNorm computes it with momentum None."""
     from torch import nn
 
-    from stages.data import make_loader
+    from stages.shared.data import make_loader
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4, momentum=0.0003), nn.ReLU(),
@@ -97,7 +97,8 @@ def test_batchnorm_statistics_of_the_qat_graph_are_recomputed_from_training_imag
 def test_validation_images_never_move_the_quantization_ranges(tmp_path, monkeypatch):
     """Each epoch is scored with the observers off, and the epoch kept is restored as scored:
     ranges come from training images only."""
-    from stages import artifacts, train
+    from stages import train
+    from stages.shared import artifacts
 
     run = artifacts.create_run(tmp_path, "ranges")
     train.run(TrainConfig(**TINY_TRAIN | {"epochs": 1, "baseline": False}), run)
@@ -248,7 +249,8 @@ def noisy(num_classes, in_channels):
 
 
 def _user_run(tmp_path, monkeypatch, factory):
-    from stages import artifacts, train
+    from stages import train
+    from stages.shared import artifacts
 
     (tmp_path / "qat_random_nets.py").write_text(RANDOM_NETS)
     monkeypatch.syspath_prepend(str(tmp_path))

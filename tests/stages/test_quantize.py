@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from pipeline.config import QuantizeConfig, TrainConfig
-from stages import artifacts, quantize, runtimes, train
-from stages.data import load_splits
-from stages.errors import PipelineError, UsageError
-from stages.evaluate import predict
+from stages import quantize, runtimes, train
 from stages.runtimes import onnxruntime as ort_runtime
 from stages.runtimes import pytorch as torch_runtime
+from stages.shared import artifacts
+from stages.shared.data import load_splits
+from stages.shared.errors import PipelineError, UsageError
+from stages.shared.evaluate import predict
 from tests.conftest import ALL_VARIANTS, TINY_TRAIN
 
 ROOT = Path(__file__).resolve().parents[2]

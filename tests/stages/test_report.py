@@ -4,8 +4,10 @@ import json
 
 import pytest
 
-from stages import bench, plots, report
-from stages.report_markdown import markdown
+from stages import report
+from stages.report import plots
+from stages.report.markdown import markdown
+from stages.shared import bench
 from tests.conftest import ALL_VARIANTS
 
 
@@ -87,8 +89,8 @@ def test_training_images_judge_only_variants_whose_weights_come_from_the_train_s
 
 def test_a_fine_tuned_model_is_judged_on_the_validation_split_alone(tiny_run):
     from stages import runtimes
-    from stages.data import splits_of_run
-    from stages.evaluate import predict_dataset
+    from stages.shared.data import splits_of_run
+    from stages.shared.evaluate import predict_dataset
 
     run, data = tiny_run["run"], tiny_run["report"]
     splits = splits_of_run(run)

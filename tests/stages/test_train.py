@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from pipeline.config import TrainConfig
-from stages import artifacts, report, train
-from stages.precision import Precision
+from stages import report, train
+from stages.shared import artifacts
+from stages.shared.precision import Precision
 from tests.conftest import TINY_TRAIN
 
 
@@ -134,7 +135,7 @@ def test_batchnorm_statistics_are_recomputed_from_training_images():
     recomputing sets it to the images' own statistics, whatever the momentum."""
     from torch import nn
 
-    from stages.data import load_splits
+    from stages.shared.data import load_splits
 
     splits = load_splits(TrainConfig(**TINY_TRAIN))
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4, momentum=0.01), nn.Dropout(0.5))

@@ -11,9 +11,9 @@ import random
 from collections import OrderedDict
 from pathlib import Path
 
-from stages.artifacts import Run, atomic_torch_save, load_checkpoint
-from stages.errors import PipelineError
-from stages.progress import say
+from stages.shared.artifacts import Run, atomic_torch_save, load_checkpoint
+from stages.shared.errors import PipelineError
+from stages.shared.progress import say
 
 
 def rng_state() -> dict:

@@ -4,8 +4,8 @@ import os
 import pytest
 import torch
 
-from stages import bench, precision
-from stages.precision import Precision, resolve_precision
+from stages.shared import bench, precision
+from stages.shared.precision import Precision, resolve_precision
 
 
 def _cpu_with(monkeypatch, *flags):

@@ -14,8 +14,8 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-from stages.builtin_models import BUILTIN_MODELS
-from stages.errors import PipelineError, UsageError
+from stages.shared.builtin_models import BUILTIN_MODELS
+from stages.shared.errors import PipelineError, UsageError
 
 USER_MODEL = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 # torchvision's own extras that only apply to its training recipes: auxiliary classifiers

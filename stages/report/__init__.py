@@ -11,14 +11,16 @@ import json
 import os
 from dataclasses import asdict
 
-from stages import bench, plots, runtimes
-from stages.artifacts import Run, atomic_write_json, atomic_write_text, open_run
-from stages.data import SELECTION_WORDS, VALIDATION_WORDS, selection_set, splits_of_run
-from stages.errors import PipelineError, UsageError
-from stages.evaluate import compare_logits, predict_dataset
-from stages.progress import say
-from stages.report_markdown import compare_markdown, markdown
-from stages.stats import paired_difference_interval, wilson_interval
+from stages import runtimes
+from stages.report import plots
+from stages.report.markdown import compare_markdown, markdown
+from stages.shared import bench
+from stages.shared.artifacts import Run, atomic_write_json, atomic_write_text, open_run
+from stages.shared.data import SELECTION_WORDS, VALIDATION_WORDS, selection_set, splits_of_run
+from stages.shared.errors import PipelineError, UsageError
+from stages.shared.evaluate import compare_logits, predict_dataset
+from stages.shared.progress import say
+from stages.shared.stats import paired_difference_interval, wilson_interval
 
 PARITY_MIN_AGREEMENT = 0.98
 FIGURES = {"latency-vs-size.png": "latency against size, each batch size",

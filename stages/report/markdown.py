@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 
-from stages import runtimes, tuning
-from stages.artifacts import Run
-from stages.data import SELECTION_WORDS
-from stages.errors import UsageError
+from stages import runtimes
+from stages.shared import tuning
+from stages.shared.artifacts import Run
+from stages.shared.data import SELECTION_WORDS
+from stages.shared.errors import UsageError
 
 
 def _ratio(r: dict) -> str:

@@ -9,9 +9,10 @@ from PIL import Image
 from torchvision import datasets
 
 from pipeline.config import TrainConfig
-from stages import artifacts, train
-from stages.data import load_dataset
-from stages.errors import PipelineError
+from stages import train
+from stages.shared import artifacts
+from stages.shared.data import load_dataset
+from stages.shared.errors import PipelineError
 
 
 def _write_idx(folder, prefix, count, rng):
@@ -115,8 +116,8 @@ def test_training_runs_on_torchvision_data(cifar_dir, tmp_path):
     assert result.optimizer_steps == 6  # 90 training images in batches of 16
     assert run.entry("amp")["model_spec"]["in_channels"] == 3
     # The reported test accuracy is what the saved model scores on the 20 test images.
-    from stages.evaluate import dataset_accuracy
     from stages.runtimes.pytorch import load_float_module
+    from stages.shared.evaluate import dataset_accuracy
 
     saved = load_float_module(run, "amp")
     assert result.test_accuracy == dataset_accuracy(saved, load_dataset(

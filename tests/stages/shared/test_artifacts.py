@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from stages import artifacts
-from stages.errors import PipelineError, UsageError
+from stages.shared import artifacts
+from stages.shared.errors import PipelineError, UsageError
 
 
 def test_atomic_write_keeps_old_file_when_the_write_fails(tmp_path):
@@ -36,7 +36,7 @@ def test_a_sigterm_during_a_write_waits_for_the_file(tmp_path):
     script = f"""
 import signal
 from pipeline.cli import _fail_stage_on_sigterm
-from stages import artifacts
+from stages.shared import artifacts
 _fail_stage_on_sigterm()
 def write(f):
     f.write(b"first half ")

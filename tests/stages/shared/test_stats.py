@@ -1,8 +1,12 @@
 """Intervals against published worked examples (Newcombe 1998, both papers) and Wilson's."""
 import pytest
 
-from stages.stats import (newcombe_paired, newcombe_unpaired, paired_difference_interval,
-                          wilson_interval)
+from stages.shared.stats import (
+    newcombe_paired,
+    newcombe_unpaired,
+    paired_difference_interval,
+    wilson_interval,
+)
 
 
 @pytest.mark.parametrize("hits, total, low, high", [

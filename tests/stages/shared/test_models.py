@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from stages.errors import PipelineError, UsageError
-from stages.models import build_model, check_model_fits, check_model_name, known_models
+from stages.shared.errors import PipelineError, UsageError
+from stages.shared.models import build_model, check_model_fits, check_model_name, known_models
 
 CPU = torch.device("cpu")
 

@@ -1,6 +1,6 @@
 import torch
 
-from stages.data import calibration_batches, load_dataset
+from stages.shared.data import calibration_batches, load_dataset
 
 
 def _rows(tensor):
@@ -50,7 +50,7 @@ class _Counting(torch.utils.data.Dataset):
 
 
 def test_the_selection_images_are_streamed_not_decoded_whole():
-    from stages.data import DataSplits, tuning_images
+    from stages.shared.data import DataSplits, tuning_images
 
     train, val = _Counting(50_000), _Counting(300)
     splits = DataSplits(train, val, _Counting(10), train, num_classes=10, in_channels=1,

@@ -61,7 +61,7 @@ def score(backend: dict, options: dict, float_layers: tuple[str, ...], reference
 
     model = backend["build"](options, float_layers)
     logits = backend["predict"](model, reference["images"])
-    from stages.evaluate import accuracy as exact_accuracy
+    from stages.shared.evaluate import accuracy as exact_accuracy
 
     accuracy = exact_accuracy(logits, reference["labels"])
     return Trial(
@@ -73,7 +73,7 @@ def score(backend: dict, options: dict, float_layers: tuple[str, ...], reference
 
 def time_trials(backend: dict, trials: list[Trial], shape: tuple[int, ...]) -> None:
     """p50 latency of each trial, all timed in one interleaved session."""
-    from stages import bench
+    from stages.shared import bench
 
     batch = bench.random_batch((TUNING_BATCH, *shape))
     calls = {str(i): backend["call"](t.model, batch) for i, t in enumerate(trials)}
@@ -161,7 +161,7 @@ def tune(backend: dict, candidates: list[dict], reference: dict, budget_points: 
         say(f"  {label(trial.options)}: accuracy change {0.0 - trial.drop_points:+.2f} points"
             f"{latency}")
     chosen, why = choose(trials, budget_points)
-    from stages.bench import cpu_info
+    from stages.shared.bench import cpu_info
 
     # The defaults (7-bit weights without VNNI, u8s8) follow these; a model tuned here may
     # rank otherwise on a CPU without them.

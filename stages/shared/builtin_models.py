@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from stages.registry import register
+from stages.shared.registry import register
 
 BUILTIN_MODELS: dict[str, Callable[..., "torch.nn.Module"]] = {}
 

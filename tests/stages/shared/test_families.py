@@ -9,10 +9,10 @@ import copy
 import pytest
 import torch
 
-from stages.artifacts import atomic_torch_save, load_checkpoint
-from stages.checkpoints import cpu_state_dict
-from stages.errors import UsageError
-from stages.models import CHAIN_MIN_SIZE, build_model, check_model_fits, torchvision_models
+from stages.shared.artifacts import atomic_torch_save, load_checkpoint
+from stages.shared.checkpoints import cpu_state_dict
+from stages.shared.errors import UsageError
+from stages.shared.models import CHAIN_MIN_SIZE, build_model, check_model_fits, torchvision_models
 
 CPU = torch.device("cpu")
 # family (torchvision module) -> (representative, smallest --image-size it trains at)
@@ -113,7 +113,7 @@ def test_googlenet_converts_to_openvino_at_its_chain_size(tmp_path):
     """What CHAIN_MIN_SIZE rests on: at 32x32 OpenVINO takes GoogLeNet's ONNX file."""
     import openvino as ov
 
-    from stages.onnx_export import export_onnx
+    from stages.runtimes.onnx_export import export_onnx
 
     model = build_model("googlenet", 10, 1, 32).eval()
     path = tmp_path / "googlenet.onnx"

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator
 
-from stages import signals
-from stages.errors import PipelineError, UsageError
+from stages.shared import signals
+from stages.shared.errors import PipelineError, UsageError
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 TEMP_SUFFIX = ".tmp"

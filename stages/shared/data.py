@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from stages.errors import PipelineError
-from stages.registry import lookup, register
+from stages.shared.errors import PipelineError
+from stages.shared.registry import lookup, register
 
 DATASETS: dict[str, Callable[..., "DataSplits"]] = {}
 # Per-channel mean and std of each training set, as published with it.

@@ -3,10 +3,11 @@ import pytest
 import torch
 
 from pipeline.config import QuantizeConfig, TrainConfig
-from stages import artifacts, quantize, runtimes, train, tuning
-from stages.data import splits_of_run
-from stages.evaluate import predict
+from stages import quantize, runtimes, train
 from stages.runtimes.pytorch import load_float_module
+from stages.shared import artifacts, tuning
+from stages.shared.data import splits_of_run
+from stages.shared.evaluate import predict
 from tests.conftest import TINY_TRAIN
 
 
@@ -101,8 +102,8 @@ def test_dynamic_int8_makes_a_linear_heavy_model_smaller_with_int8_linear_layers
 def test_trials_built_from_one_export_equal_trials_exported_afresh():
     """The per-layer fallback exports the model once and copies it per trial: a trial must
     not change the export the next one starts from."""
-    from stages.builtin_models import smallcnn
     from stages.runtimes import pytorch as torch_runtime
+    from stages.shared.builtin_models import smallcnn
 
     torch.manual_seed(0)
     model = smallcnn(10, 1).eval()

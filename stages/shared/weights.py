@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.artifacts import load_checkpoint
-from stages.checkpoints import with_metadata
-from stages.errors import PipelineError, UsageError
+from stages.shared.artifacts import load_checkpoint
+from stages.shared.checkpoints import with_metadata
+from stages.shared.errors import PipelineError, UsageError
 
 
 def pretrained_file(model_name: str, weights_name: str) -> Path:

@@ -11,8 +11,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from stages.artifacts import atomic_path, raise_if_disk_failure
-from stages.errors import PipelineError
+from stages.shared.artifacts import atomic_path, raise_if_disk_failure
+from stages.shared.errors import PipelineError
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"

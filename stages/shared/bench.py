@@ -154,7 +154,7 @@ def isa() -> dict:
 def environment(threads: int) -> dict:
     import torch
 
-    from stages.artifacts import versions
+    from stages.shared.artifacts import versions
 
     return {"versions": versions(), "device": "cpu", "cpu": cpu_info(), "isa": isa(),
             "threads": threads, "cuda_available": torch.cuda.is_available(),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from stages.data import batches
+from stages.shared.data import batches
 
 
 def predict(model, images, batch_size: int = 256, device=None, autocast=None):
