@@ -163,7 +163,9 @@ def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Pa
             for stage, process in processors:
                 if stage not in ("train", "qat") and not world.is_main:
                     continue  # quantize and report are single-process work for rank 0
-                _run_stage(run, stage, process, world.is_main)
+                seconds = _run_stage(run, stage, process, world.is_main)
+                if world.is_main and not ctx.obj["quiet"]:
+                    click.echo(f"{stage}: done in {_duration(seconds)}", err=True)
     finally:
         distributed.teardown()
 
@@ -191,10 +193,19 @@ def _cap_isa_before_any_kernel(ctx: click.Context, processors: list[Processor]) 
                    "process (AMX bf16 kernels of this torch give wrong results)", err=True)
 
 
-def _run_stage(run, stage: str, process: Callable, writes: bool) -> None:
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
+
+
+def _run_stage(run, stage: str, process: Callable, writes: bool) -> float:
     """Mark the stage running, then complete or failed, so that a run is never taken for
-    complete when a stage died half-way. Signals wait for each status write: in CI, torchrun's
-    SIGTERM reached rank 0 while it wrote its own failure and left the stage `running`."""
+    complete when a stage died half-way; returns the seconds it took. Signals wait for each
+    status write: in CI, torchrun's SIGTERM reached rank 0 while it wrote its own failure and
+    left the stage `running`."""
+    import time
+
+    started = time.perf_counter()
     try:
         if writes:  # inside the try: a signal held back during this write is delivered here
             with _status_write():
@@ -208,9 +219,11 @@ def _run_stage(run, stage: str, process: Callable, writes: bool) -> None:
                 except Exception:  # the disk may be what failed; the original error matters more
                     pass
         raise
+    seconds = time.perf_counter() - started
     if writes:
         with _status_write():
-            run.mark_stage(stage, "complete")
+            run.mark_stage(stage, "complete", seconds=round(seconds, 1))
+    return seconds
 
 
 def _status_write():
@@ -436,9 +449,16 @@ def quantize(ctx: click.Context, **flags) -> Processor:
 @click.option("--batch-sizes", help="Comma list of batch sizes to time.  [default: 1,32]")
 @click.option("--threads", type=int, help="Threads for every runtime alike; 0: the machine's "
               "cores, at most 8.  [default: 0]")
-@click.option("--rounds", type=int, help="Rounds of timing; every variant is timed in each, the "
-              "order rotated.  [default: 8]")
-@click.option("--repeats", type=int, help="Timed calls per variant in each round.  [default: 4]")
+@click.option("--rounds", type=int, help="Rounds of timing at least; every variant is timed in "
+              "each, the order rotated.  [default: 5]")
+@click.option("--max-rounds", type=int, help="Rounds of timing at most.  [default: 40]")
+@click.option("--repeats", type=int, help="Timed calls per variant in each round; 0: as many as "
+              "fill 50 ms.  [default: 0]")
+@click.option("--target-interval", type=float, metavar="RATIO",
+              help="Time until every speed-up against the fastest float has a 95% interval "
+                   "with high/low at most this.  [default: 1.1]")
+@click.option("--timing-budget", type=float, metavar="SECONDS",
+              help="Stop adding rounds after this long, per batch size.  [default: 20]")
 @click.option("--warmup", type=int, help="Untimed calls first.  [default: 3]")
 @click.option("--max-accuracy-drop", type=float, metavar="POINTS",
               help="Validation accuracy the recommended variant may lose against fp32.  "

@@ -272,8 +272,13 @@ class ReportConfig:
     batch_sizes: tuple[int, ...] = (1, 32)
     threads: int = 0  # 0: as many as the machine has cores, capped at 8
     warmup: int = 3
-    rounds: int = 8  # every variant is timed in each round, the order rotated between rounds
-    repeats: int = 4  # timed calls per variant in each round
+    rounds: int = 5  # at least; every variant is timed in each round, the order rotated
+    max_rounds: int = 40
+    repeats: int = 0  # timed calls per variant in each round; 0: as many as fill 50 ms
+    # Rounds go on until every speed-up against the fastest float has high/low at most this,
+    # or max_rounds or timing_budget (seconds per batch size) run out.
+    target_interval: float = 1.1
+    timing_budget: float = 20.0
     max_accuracy_drop: float = 1.0
     fail_under_speedup: float = 0.0  # 0: never fail
     compare: tuple[str, ...] = ()
@@ -295,10 +300,14 @@ class ReportConfig:
         _at_least("--threads", self.threads, 0)
         _at_least("--warmup", self.warmup, 1)  # compiled variants build their graph there
         _at_least("--rounds", self.rounds, 3)
-        _at_least("--repeats", self.repeats, 1)
-        if self.rounds * self.repeats < 20:  # a p90 needs calls to stand on
+        _at_least("--max-rounds", self.max_rounds, self.rounds)
+        _at_least("--repeats", self.repeats, 0)
+        if self.repeats and self.rounds * self.repeats < 20:  # a p90 needs calls to stand on
             raise ValueError(f"--rounds x --repeats must give at least 20 timed calls, got "
                              f"{self.rounds} x {self.repeats}")
+        _at_least("--target-interval", self.target_interval, 1.0)
+        if not self.timing_budget > 0:
+            raise ValueError(f"--timing-budget must be greater than 0, got {self.timing_budget}")
         _at_least("--max-accuracy-drop", self.max_accuracy_drop, 0.0)
         _at_least("--fail-under-speedup", self.fail_under_speedup, 0.0)
 

@@ -60,6 +60,17 @@ class QuantContext:
     _float: object = None
     _val: tuple | None = None
     _loaded: dict = field(default_factory=dict)
+    # Checks that compile a model, kept until the stage's last torch.export: a strict export
+    # resets Dynamo, which throws every compiled model of the process away (each took 3 to
+    # 15 s to compile, and the report in the same chain would compile them all again).
+    deferred: dict = field(default_factory=dict)
+    defer_compiles: bool = False
+
+    def after_exports(self, name: str, check) -> None:
+        if self.defer_compiles:
+            self.deferred[name] = check
+        else:
+            check()
 
     def say(self, message: str) -> None:
         say(message, quiet=self.config.quiet)
@@ -157,19 +168,26 @@ def run(config, run: Run) -> dict[str, dict]:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".scratch-") as scratch:
         ctx = QuantContext(run, config, splits, spec, folder, Path(scratch), source,
-                           torch.get_num_threads())
+                           torch.get_num_threads(), defer_compiles=True)
         ctx.calibration()  # bad calibration data stops the stage before anything is written
         run.record_config("quantize", asdict(config) | {"source": source})
         results = {}
         for name in names:
             say(f"quantize: {name} ...", quiet=config.quiet)
             results[name] = runtimes.VARIANTS[name].make(ctx)
-            entry = run.entry(name)
-            say(f"quantize: {name} -> {run.root / entry['path']} "
-                f"({run.shipped_bytes(name) / 1e6:.1f} MB, "
-                f"{runtimes.summarize_ops(entry['quantization']['op_counts'])})",
-                quiet=config.quiet)
-    return results
+            if name not in ctx.deferred:
+                _made(run, name, config.quiet)
+        for name, check in ctx.deferred.items():
+            say(f"quantize: {name}: compiling and checking ...", quiet=config.quiet)
+            check()
+            _made(run, name, config.quiet)
+    return {name: results[name] for name in names}
+
+
+def _made(run: Run, name: str, quiet: bool) -> None:
+    entry = run.entry(name)
+    say(f"quantize: {name} -> {run.root / entry['path']} ({run.shipped_bytes(name) / 1e6:.1f} "
+        f"MB, {runtimes.summarize_ops(entry['quantization']['op_counts'])})", quiet=quiet)
 
 
 def post_training_verdict(run: Run, names: list[str], budget_points: float) -> tuple[bool, str]:

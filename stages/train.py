@@ -30,7 +30,7 @@ from stages.shared.artifacts import (
     atomic_write_text,
     remove_stale_temporaries,
 )
-from stages.shared.bench import isa
+from stages.shared.machine import isa
 from stages.shared.checkpoints import (
     Checkpointer,
     best_weights,

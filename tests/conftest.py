@@ -17,7 +17,7 @@ from pipeline.config import QatConfig, QuantizeConfig, ReportConfig, TrainConfig
 TINY_TRAIN = dict(model="smallcnn", image_size=8, epochs=2, batch_size=64, lr=0.05, quiet=True,
                   measure_memory=False)
 # Batch 32 is also the batch compiled models score in: one graph each to build.
-TINY_REPORT = dict(batch_sizes=(1, 32), warmup=1, rounds=5, repeats=4, quiet=True)
+TINY_REPORT = dict(batch_sizes=(1, 32), warmup=1, rounds=5, max_rounds=5, repeats=4, quiet=True)
 ALL_VARIANTS = ["fp32", "amp", "fp32-compiled", "torch-dynamic", "torch-static", "torch-qat",
                 "onnx-fp32", "ort-dynamic", "ort-static", "ort-qat", "openvino-fp32",
                 "openvino-int8"]

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from stages import runtimes
 from stages.report import plots
 from stages.report.markdown import compare_markdown, markdown
-from stages.shared import bench
+from stages.shared import machine, timing
 from stages.shared.artifacts import Run, atomic_write_json, atomic_write_text, open_run
 from stages.shared.data import SELECTION_WORDS, VALIDATION_WORDS, selection_set, splits_of_run
 from stages.shared.errors import PipelineError, UsageError
@@ -109,23 +109,27 @@ def measure_variants(run: Run, config, threads: int) -> tuple[list[dict], dict]:
     return rows, {"reference": reference, "parity": parity(run, logits)}
 
 
-def time_variants(loaded: dict, splits, config) -> dict[str, dict[str, bench.Timing]]:
-    """Every variant in the same interleaved rounds, batch size by batch size."""
+def time_variants(loaded: dict, splits, config) -> dict[str, dict[str, timing.Timing]]:
+    """Every variant in the same interleaved rounds, batch size by batch size, until every
+    speed-up against the fastest float variant is known to within --target-interval."""
+    floats = {name for name in loaded if not runtimes.VARIANTS[name].int8}
     timings = {}
     for size in config.batch_sizes:
         say(f"report: timing {len(loaded)} variants at batch {size} ...", quiet=config.quiet)
-        batch = bench.random_batch(splits.input_shape(size))
+        batch = timing.random_batch(splits.input_shape(size))
         calls = {name: item.call_for(batch) for name, item in loaded.items()}
-        timings[str(size)] = bench.interleaved(calls, config.rounds, config.repeats,
-                                               config.warmup)
+        timings[str(size)] = timing.interleaved(
+            calls, config.rounds, config.repeats, config.warmup, max_rounds=config.max_rounds,
+            done=timing.narrow_enough(floats, config.target_interval),
+            budget_seconds=config.timing_budget)
     return timings
 
 
 def faster(slower: dict, row: dict, size: str) -> dict:
     """How many times faster ``row`` ran than ``slower`` at batch ``size``, with its interval
     (from the call times of each round, kept in the report)."""
-    return bench.speedup(bench.Timing(slower["latency_ms"][size]["rounds_ms"]),
-                         bench.Timing(row["latency_ms"][size]["rounds_ms"]))
+    return timing.speedup(timing.Timing(slower["latency_ms"][size]["rounds_ms"]),
+                          timing.Timing(row["latency_ms"][size]["rounds_ms"]))
 
 
 def speedups(rows: list[dict], reference: str) -> None:
@@ -181,7 +185,7 @@ def verdict(rows: list[dict], reference: str, budget_points: float) -> dict:
     for size in sizes:
         ranked = sorted(within, key=lambda r: r["latency_ms"][size]["p50"])
         best = ranked[0]
-        ties = [r["name"] for r in ranked[1:] if bench.within_noise(faster(r, best, size))]
+        ties = [r["name"] for r in ranked[1:] if timing.within_noise(faster(r, best, size))]
         vs_float = best["speedup_vs_best_float"][size]
         per_batch[size] = {
             "recommended": best["name"], "int8": best["int8"],
@@ -291,7 +295,7 @@ def run(config, run: Run) -> dict:
     reference = measured["reference"]
     training = training_rows(run)
     histories = _histories(run)
-    environment = bench.environment(threads)
+    environment = machine.environment(threads)
     folder = run.root / "report"
     folder.mkdir(parents=True, exist_ok=True)
     figures = dict(FIGURES)

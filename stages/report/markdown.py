@@ -91,12 +91,16 @@ def _models_table(report: dict) -> list[str]:
                   f"{r['agreement']:.2%} ({r['flipped_predictions']} flipped)"]
         lines.append("| " + " | ".join(cells) + " |")
     timing = report["models"][0]["latency_ms"][big]
+    calls = [r["latency_ms"][big]["calls"] for r in rows]
+    waited = max(r["latency_ms"][b].get("idle_wait_ms_max", 0.0) for r in rows for b in sizes)
     lines += ["", f"Speed-ups are ratios of p50 latencies measured in the same "
-              f"{timing['rounds']} rounds (the order rotated each round, garbage collection "
-              f"off, {timing['calls']} calls per variant and batch size), with 95% bootstrap "
-              "intervals over the rounds. Accuracy: top-1 on the test split, Wilson intervals; "
-              f"the change against `{ref}` uses Newcombe's paired interval on the same images.",
-              ""]
+              f"{timing['rounds']} rounds at batch {big} (the order rotated each round, garbage "
+              f"collection off, each variant's calls filling about 50 ms a round: {min(calls)} "
+              f"to {max(calls)} calls in all; each variant timed only once no other thread of "
+              f"the process used the CPU, after a wait of at most {waited:.0f} ms), with 95% "
+              "bootstrap intervals over the rounds. Accuracy: top-1 on the test split, Wilson "
+              f"intervals; the change against `{ref}` uses Newcombe's paired interval on the "
+              "same images.", ""]
     return lines
 
 

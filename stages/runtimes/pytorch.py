@@ -18,10 +18,10 @@ import warnings
 
 from stages.runtimes import FLOAT, Loaded, declare, graph_file, loader, variant
 from stages.shared import tuning
-from stages.shared.artifacts import atomic_torch_save, load_checkpoint
-from stages.shared.bench import cpu_has_vnni
+from stages.shared.artifacts import atomic_torch_save, load_checkpoint, sha256_file
 from stages.shared.errors import PipelineError
 from stages.shared.evaluate import compare_logits, predict
+from stages.shared.machine import cpu_has_vnni
 from stages.shared.models import build_from_spec
 
 # What Inductor emits for each kind of kernel (torch 2.14, torchao 0.18).
@@ -93,6 +93,23 @@ def _compile(module):
     return torch.compile(module, dynamic=False)
 
 
+# Compiled models kept for the life of the process, keyed by the sha256 of the file they came
+# from, what was compiled and the thread count Inductor generated their kernels for: in a
+# chain, quantize has already compiled what report then loads, and each compile takes 3 to 15 s
+# on the 2-core development machine (Inductor's graph cache skips graphs with frozen weights).
+_COMPILED: dict[tuple[str, str, int], object] = {}
+
+
+def compiled_once(sha256: str, kind: str, build):
+    """``_compile(build())``, or the module compiled for the same file before in this process."""
+    import torch
+
+    key = (sha256, kind, torch.get_num_threads())
+    if key not in _COMPILED:
+        _COMPILED[key] = _compile(build())
+    return _COMPILED[key]
+
+
 def predict_compiled(compiled, images):
     """Logits of a compiled model in batches of one size, the last one padded with zeros, so
     that scoring a data set builds no graph beyond the one timed at that size."""
@@ -107,18 +124,42 @@ def predict_compiled(compiled, images):
     return torch.cat(outputs) if outputs else torch.empty(0)
 
 
-def compiled_counts(compiled, batch) -> dict[str, dict[str, int]]:
-    """Run ``compiled`` once and count the convolution and linear kernels in the code Inductor
-    generated for it, by kind."""
+def _generated_code(compiled, batch) -> str:
+    """The code Inductor generates when ``compiled`` first runs on ``batch``'s shape. Captured
+    as it is written rather than with run_and_get_code, which resets Dynamo and so throws away
+    every other compiled model of the process."""
     import torch
-    from torch._inductor.utils import run_and_get_code
+    from torch._inductor.graph import GraphLowering
 
-    with torch.inference_mode():
-        _, code = run_and_get_code(compiled, batch)
-    source = "\n".join(code)
+    code: list[str] = []
+    real = GraphLowering.save_output_code
+    GraphLowering.save_output_code = staticmethod(code.append)
+    try:
+        with torch.inference_mode():
+            compiled(batch)
+    finally:
+        GraphLowering.save_output_code = real
+    return "\n".join(code)
+
+
+_CODE: dict[tuple[int, tuple[int, ...]], str] = {}  # (id of a compiled model, input shape)
+
+
+def compiled_counts(compiled, batch) -> dict[str, dict[str, int]]:
+    """Count the convolution and linear kernels, by kind, in the code Inductor generated for
+    ``compiled`` at ``batch``'s shape (compiling it there if it was not yet)."""
+    key = (id(compiled), tuple(batch.shape))
+    if key not in _CODE:
+        _CODE[key] = _generated_code(compiled, batch)
+    if not _CODE[key]:  # compiled before this process kept its code: compile it afresh
+        import torch
+        from torch._inductor.utils import run_and_get_code
+
+        with torch.inference_mode():
+            _CODE[key] = "\n".join(run_and_get_code(compiled, batch)[1])
     counts: dict[str, dict[str, int]] = {}
     for (kind, precision), pattern in KERNELS.items():
-        found = len(re.findall(pattern, source))
+        found = len(re.findall(pattern, _CODE[key]))
         if found:
             counts.setdefault(kind, {"int8": 0, "float": 0})[precision] += found
     return counts
@@ -289,16 +330,22 @@ declare("amp", runtime="pytorch", source=None, int8=False, trained=True,
 @variant("fp32-compiled", runtime="pytorch", source=FLOAT, int8=False,
          description="the float weights under torch.compile (Inductor, freezing)")
 def make_compiled(ctx) -> dict:
-    """No new file: the float source's weights, compiled at load; checked here once."""
-    model = ctx.float_model()
-    images = ctx.check_images()
-    compiled = _compile(copy.deepcopy(model))
-    counts = compiled_counts(compiled, images[:COMPILED_BATCH])
-    info = {"compiler": "torch.compile(dynamic=False), Inductor freezing",
-            "parity_vs_source": compare_logits(predict(model, images),
-                                               predict_compiled(compiled, images))}
-    ctx.register("fp32-compiled", ctx.run.verified_path(ctx.source), info, fmt="pytorch",
-                 op_counts=counts)
+    """No new file: the float source's weights, compiled at load; checked here once, after
+    the stage's exports (each one resets every compiled model of the process)."""
+    info = {"compiler": "torch.compile(dynamic=False), Inductor freezing"}
+
+    def check() -> None:
+        model = ctx.float_model()
+        images = ctx.check_images()
+        compiled = compiled_once(ctx.run.entry(ctx.source)["sha256"], "float",
+                                 lambda: copy.deepcopy(model))
+        counts = compiled_counts(compiled, images[:COMPILED_BATCH])
+        info["parity_vs_source"] = compare_logits(predict(model, images),
+                                                  predict_compiled(compiled, images))
+        ctx.register("fp32-compiled", ctx.run.verified_path(ctx.source), info, fmt="pytorch",
+                     op_counts=counts)
+
+    ctx.after_exports("fp32-compiled", check)
     return info
 
 
@@ -315,8 +362,8 @@ def _backend(ctx, calibration) -> dict:
 
 
 def _finish(ctx, name: str, graph, recipe: dict, info: dict) -> dict:
-    """Save, rebuild from the file, compile, and check: same predictions as before saving,
-    int8 kernels in the compiled code."""
+    """Save and rebuild from the file (same predictions as before saving); then, once the
+    stage's exports are done, compile and check for int8 kernels in the compiled code."""
     import torch
 
     path = ctx.folder / f"{name}.pt"
@@ -327,7 +374,13 @@ def _finish(ctx, name: str, graph, recipe: dict, info: dict) -> dict:
     if not torch.equal(before, after):
         raise PipelineError(f"{name}: the model rebuilt from {path} does not reproduce its "
                             "predictions; please report this with --debug output")
-    compiled = _compile(reloaded)
+    ctx.after_exports(name, lambda: _check_compiled(ctx, name, path, reloaded, after, info))
+    return info
+
+
+def _check_compiled(ctx, name: str, path, reloaded, after, info: dict) -> None:
+    images = ctx.check_images()
+    compiled = compiled_once(sha256_file(path), "pt2e", lambda: reloaded)
     counts = compiled_counts(compiled, images[:COMPILED_BATCH])
     # What runs is Inductor's code, not the graph: on efficientnet_b0 they disagreed on 2-4%
     # of images (mnasnet0_5: none). Its squeeze-excitation pools are quantized averages whose
@@ -343,7 +396,6 @@ def _finish(ctx, name: str, graph, recipe: dict, info: dict) -> dict:
                 f"logit difference {kernels['max_abs_diff']:.3g}); the report measures the "
                 "compiled model")
     ctx.register(name, path, info, fmt="pytorch", op_counts=counts)
-    return info
 
 
 @variant("torch-dynamic", runtime="pytorch", source=FLOAT, int8=True,
@@ -387,9 +439,10 @@ def load(run, name: str, threads: int) -> Loaded:
     torch.set_num_threads(threads)
     entry = run.entry(name)
     if name in ("fp32", "amp") or name == "fp32-compiled":
-        model = load_float_module(run, name if name != "fp32-compiled" else entry["parent"])
+        source = name if name != "fp32-compiled" else entry["parent"]
+        model = load_float_module(run, source)
         if name == "fp32-compiled":
-            compiled = _compile(model)
+            compiled = compiled_once(run.entry(source)["sha256"], "float", lambda: model)
             return Loaded(lambda images: predict_compiled(compiled, images),
                           lambda batch: _call(compiled, batch),
                           entry["quantization"]["op_counts"],
@@ -403,7 +456,8 @@ def load(run, name: str, threads: int) -> Loaded:
                           f"eager PyTorch under {precision} autocast, as trained")
         return Loaded(lambda images: predict(model, images), lambda batch: _call(model, batch),
                       eager_counts(model), "eager PyTorch, fp32")
-    compiled = _compile(load_pt2e(run, name))
+    run.verified_path(name)  # checked every time, compiled once per process
+    compiled = compiled_once(entry["sha256"], "pt2e", lambda: load_pt2e(run, name))
     return Loaded(lambda images: predict_compiled(compiled, images),
                   lambda batch: _call(compiled, batch),
                   entry["quantization"]["op_counts"], "PT2E int8, torch.compile (Inductor)")

@@ -389,7 +389,8 @@ class Run:
         entry = self.entry(name)
         return entry["bytes"] + sum(record["bytes"] for record in entry.get("files", []))
 
-    def mark_stage(self, stage: str, status: str, detail: str | None = None) -> None:
+    def mark_stage(self, stage: str, status: str, detail: str | None = None,
+                   seconds: float | None = None) -> None:
         """running -> complete (or failed): a run is complete only where its manifest says so.
 
         When the disk is full a failure cannot be written as a new file; it is then written
@@ -401,6 +402,8 @@ class Run:
         stages[stage] = stages.get(stage, {}) | {"status": status, status: stamp}
         if detail:
             stages[stage]["error"] = detail
+        if seconds is not None:
+            stages[stage]["seconds"] = seconds
         try:
             self._write_manifest(manifest)
         except PipelineError:

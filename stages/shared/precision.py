@@ -54,7 +54,7 @@ def resolve_precision(precision: str, device) -> Precision:
         return Precision(precision)
     if device.type == "cuda":
         return Precision("fp16")
-    from stages.shared.bench import cpu_info
+    from stages.shared.machine import cpu_info
 
     return Precision("bf16" if set(NATIVE_BF16) & set(cpu_info()["flags"]) else "fp32")
 
@@ -72,7 +72,7 @@ def cap_isa_for_bf16_training(precision: str, device: str) -> str | None:
     """Cap oneDNN below AMX when this process will train in bf16 on a CPU that has AMX and the
     user has not chosen a cap; returns the cap set, if any. Must run before oneDNN's first
     primitive (any convolution) to take effect."""
-    from stages.shared.bench import cpu_info
+    from stages.shared.machine import cpu_info
 
     if "amx_bf16" not in cpu_info()["flags"] or "ONEDNN_MAX_CPU_ISA" in os.environ:
         return None

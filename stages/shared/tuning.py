@@ -4,7 +4,7 @@ float until it does.
 
 Backend-agnostic: a backend is a dict of plain functions (build a model for some options and
 float layers, predict with it, make a call to time on a batch, list its layers). Candidates are
-timed together by the report's own harness (bench.interleaved), so --auto ranks them the way
+timed together by the report's own harness (timing.interleaved), so --auto ranks them the way
 the report will. Nothing here sees the test split.
 """
 from __future__ import annotations
@@ -50,9 +50,11 @@ def label(options: dict) -> str:
     return " ".join(parts)
 
 
-# Candidates are timed at the report's default large batch, in a short interleaved session.
+# Candidates are timed at the report's default large batch, in a short interleaved session that
+# stops once their speed-ups against the fastest candidate are known to within 10%.
 TUNING_BATCH = 32
-TUNING_TIMING = {"rounds": 4, "calls_per_round": 3, "warmup": 2}
+TUNING_TIMING = {"rounds": 4, "warmup": 2, "max_rounds": 12, "budget_seconds": 15.0}
+TUNING_INTERVAL = 1.1
 
 
 def score(backend: dict, options: dict, float_layers: tuple[str, ...], reference: dict) -> Trial:
@@ -73,11 +75,12 @@ def score(backend: dict, options: dict, float_layers: tuple[str, ...], reference
 
 def time_trials(backend: dict, trials: list[Trial], shape: tuple[int, ...]) -> None:
     """p50 latency of each trial, all timed in one interleaved session."""
-    from stages.shared import bench
+    from stages.shared import timing
 
-    batch = bench.random_batch((TUNING_BATCH, *shape))
+    batch = timing.random_batch((TUNING_BATCH, *shape))
     calls = {str(i): backend["call"](t.model, batch) for i, t in enumerate(trials)}
-    timings = bench.interleaved(calls, **TUNING_TIMING)
+    timings = timing.interleaved(calls, **TUNING_TIMING,
+                                 done=timing.narrow_enough(set(calls), TUNING_INTERVAL))
     for i, trial in enumerate(trials):
         trial.latency_ms = timings[str(i)].summary()["p50"]
 
@@ -161,7 +164,7 @@ def tune(backend: dict, candidates: list[dict], reference: dict, budget_points: 
         say(f"  {label(trial.options)}: accuracy change {0.0 - trial.drop_points:+.2f} points"
             f"{latency}")
     chosen, why = choose(trials, budget_points)
-    from stages.shared.bench import cpu_info
+    from stages.shared.machine import cpu_info
 
     # The defaults (7-bit weights without VNNI, u8s8) follow these; a model tuned here may
     # rank otherwise on a CPU without them.

@@ -13,7 +13,7 @@ from pipeline.cli import cli
 
 TINY = ["train", "--model", "smallcnn", "--image-size", "8", "--epochs", "1",
         "--no-measure-memory"]
-FAST_REPORT = ["report", "--rounds", "5", "--repeats", "4", "--warmup", "1", "--batch-sizes",
+FAST_REPORT = ["report", "--rounds", "5", "--max-rounds", "5", "--repeats", "4", "--warmup", "1", "--batch-sizes",
                "1,32"]
 
 

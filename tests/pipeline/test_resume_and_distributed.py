@@ -96,7 +96,8 @@ def test_torchrun_two_cpu_ranks(tmp_path):
     for name in run.artifacts():  # the run folder is complete and every file is the listed one
         run.verified_path(name)
     report = subprocess.run(_pipeline(tmp_path, "--run", "ddp", "report", "--rounds", "5",
-                                      "--repeats", "4", "--batch-sizes", "32"),
+                                      "--max-rounds", "5", "--repeats", "4", "--batch-sizes",
+                                      "32"),
                             capture_output=True, text=True)
     assert report.returncode == 0, report.stderr[-2000:]
 

@@ -177,8 +177,8 @@ def test_a_disk_that_fails_every_write_marks_the_stage_failed(tmp_path, monkeypa
     failing = {"on": False}
     real_mark, real_mkstemp = artifacts.Run.mark_stage, artifacts.tempfile.mkstemp
 
-    def mark_stage(self, stage, status, detail=None):
-        real_mark(self, stage, status, detail)
+    def mark_stage(self, stage, status, detail=None, seconds=None):
+        real_mark(self, stage, status, detail, seconds)
         failing["on"] = failing["on"] or status == "running"
 
     def mkstemp(*args, **kwargs):

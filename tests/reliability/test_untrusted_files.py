@@ -66,8 +66,8 @@ def _pipeline(run, *args):
 
 @pytest.mark.parametrize("stage_args, target", [
     (["quantize", "--methods", "torch-static"], "amp"),
-    (["report", "--rounds", "5", "--repeats", "4", "--batch-sizes", "32"], "fp32"),
-    (["report", "--rounds", "5", "--repeats", "4", "--batch-sizes", "32"], "torch-static"),
+    (["report", "--rounds", "5", "--max-rounds", "5", "--repeats", "4", "--batch-sizes", "32"], "fp32"),
+    (["report", "--rounds", "5", "--max-rounds", "5", "--repeats", "4", "--batch-sizes", "32"], "torch-static"),
     (["train", "--resume"], "amp/checkpoint-step0000042"),  # the newest of 2 epochs
 ])
 def test_a_code_carrying_checkpoint_is_refused_by_every_stage(fresh_tiny_run, tmp_path,
@@ -92,7 +92,7 @@ def test_a_flipped_bit_is_reported_by_name(fresh_tiny_run):
     data = bytearray(path.read_bytes())
     data[100] ^= 1
     path.write_bytes(bytes(data))
-    proc = _pipeline(run, "report", "--rounds", "5", "--repeats", "4", "--batch-sizes", "32")
+    proc = _pipeline(run, "report", "--rounds", "5", "--max-rounds", "5", "--repeats", "4", "--batch-sizes", "32")
     assert proc.returncode == 1
     assert "torch-static" in proc.stderr and "sha256" in proc.stderr
 
@@ -110,7 +110,7 @@ def test_a_graph_file_that_names_anything_but_an_operator_is_refused(fresh_tiny_
     buffer = io.BytesIO()
     torch.save(data, buffer)
     _plant(run, "torch-static", buffer.getvalue())
-    proc = _pipeline(run, "report", "--rounds", "5", "--repeats", "4", "--batch-sizes", "32")
+    proc = _pipeline(run, "report", "--rounds", "5", "--max-rounds", "5", "--repeats", "4", "--batch-sizes", "32")
     assert proc.returncode == 1, proc.stderr[-1000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert f"calls {target!r}" in line and "torch-static" in line
@@ -128,7 +128,7 @@ def test_a_manifest_entry_pointing_outside_the_run_is_refused_by_every_stage(
     manifest["artifacts"]["amp"] |= {"path": relative, "sha256": artifacts.sha256_file(outside)}
     run.manifest_path.write_text(json.dumps(manifest))
     for args in (["quantize", "--methods", "ort-static"],
-                 ["report", "--rounds", "5", "--repeats", "4", "--batch-sizes", "32"]):
+                 ["report", "--rounds", "5", "--max-rounds", "5", "--repeats", "4", "--batch-sizes", "32"]):
         proc = _pipeline(run, *args)
         assert proc.returncode == 1, proc.stderr[-1000:]
         line = proc.stderr.strip().splitlines()[-1]

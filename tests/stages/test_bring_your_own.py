@@ -23,7 +23,7 @@ def tiny(num_classes, in_channels):
                          nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(32, num_classes))
 """
 QUICK = ["quantize", "--methods", "ort-static", "--calibration-samples", "64",
-         "report", "--rounds", "5", "--repeats", "4", "--warmup", "1", "--batch-sizes", "1,32"]
+         "report", "--rounds", "5", "--max-rounds", "5", "--repeats", "4", "--warmup", "1", "--batch-sizes", "1,32"]
 
 
 def _pipeline(tmp_path, *args, cwd=None):

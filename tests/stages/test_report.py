@@ -7,7 +7,7 @@ import pytest
 from stages import report
 from stages.report import plots
 from stages.report.markdown import markdown
-from stages.shared import bench
+from stages.shared import timing
 from tests.conftest import ALL_VARIANTS
 
 
@@ -125,7 +125,7 @@ def _row(name, p50_rounds, validation_drop, test_drop=0.0, int8=True, size=1.0):
 
     rounds = [[ms] * 4 for ms in p50_rounds]
     return {"name": name, "int8": int8, "size_bytes": size,
-            "latency_ms": {"32": bench.Timing(rounds).summary() | {"rounds_ms": rounds}},
+            "latency_ms": {"32": timing.Timing(rounds).summary() | {"rounds_ms": rounds}},
             "validation": {"change_vs_reference": change(validation_drop),
                            "images": "validation split and held-out training images"},
             "test": {"accuracy": 0.9, "change_vs_reference": change(test_drop)},

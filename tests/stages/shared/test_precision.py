@@ -4,12 +4,12 @@ import os
 import pytest
 import torch
 
-from stages.shared import bench, precision
+from stages.shared import machine, precision
 from stages.shared.precision import Precision, resolve_precision
 
 
 def _cpu_with(monkeypatch, *flags):
-    monkeypatch.setattr(bench, "cpu_info", lambda: {"model": "test", "flags": list(flags),
+    monkeypatch.setattr(machine, "cpu_info", lambda: {"model": "test", "flags": list(flags),
                                                     "cores": 2})
 
 
