@@ -15,7 +15,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from stages import runtimes
 from stages.quantize import QuantContext, float_source
 from stages.runtimes import onnx_export
 from stages.runtimes import pytorch as torch_runtime
@@ -23,10 +22,9 @@ from stages.runtimes.onnxruntime import onnx_op_counts, ort_predict, ort_session
 from stages.shared.artifacts import Run
 from stages.shared.data import EpochSampler, make_loader, splits_of_run
 from stages.shared.errors import PipelineError
-from stages.shared.evaluate import compare_logits, dataset_accuracy, predict
+from stages.shared.evaluate import compare_logits, dataset_accuracy
 from stages.shared.precision import (
     Precision,
-    autocast,
     grad_scaler,
     resolve_device,
     seed_everything,

@@ -30,7 +30,6 @@ from stages.shared.artifacts import (
     atomic_write_text,
     remove_stale_temporaries,
 )
-from stages.shared.machine import isa
 from stages.shared.checkpoints import (
     Checkpointer,
     best_weights,
@@ -43,6 +42,7 @@ from stages.shared.checkpoints import (
 from stages.shared.data import DataSplits, EpochSampler, expected_shape, load_splits, make_loader
 from stages.shared.errors import PipelineError
 from stages.shared.evaluate import dataset_accuracy
+from stages.shared.machine import isa
 from stages.shared.memory import PeakMemory
 from stages.shared.models import build_model, check_model_fits, model_spec
 from stages.shared.precision import (

@@ -18,9 +18,9 @@ from stages.runtimes import FLOAT, Loaded, declare, loader, onnx_export, variant
 from stages.runtimes.onnx_export import INPUT_NAME, OUTPUT_NAME
 from stages.shared import tuning
 from stages.shared.artifacts import atomic_path
-from stages.shared.machine import cpu_has_vnni
 from stages.shared.errors import PipelineError
 from stages.shared.evaluate import compare_logits, predict
+from stages.shared.machine import cpu_has_vnni
 
 QUANT_PLUMBING = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"}
 COMPUTE_OPS = {"Conv": "Conv", "ConvTranspose": "Conv", "MatMul": "Linear", "Gemm": "Linear"}

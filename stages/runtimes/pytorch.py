@@ -16,7 +16,7 @@ import functools
 import re
 import warnings
 
-from stages.runtimes import FLOAT, Loaded, declare, graph_file, loader, variant
+from stages.runtimes import FLOAT, Loaded, declare, graph_file, loader, torchao_patterns, variant
 from stages.shared import tuning
 from stages.shared.artifacts import atomic_torch_save, load_checkpoint, sha256_file
 from stages.shared.errors import PipelineError
@@ -190,6 +190,7 @@ def _pt2e():
     except ImportError:
         raise PipelineError("torch int8 needs torchao: pip install 'torchao>=0.18', or leave "
                             "torch-* out of --methods") from None
+    torchao_patterns.install()
     return quantize_pt2e, x86_inductor_quantizer
 
 

@@ -225,7 +225,7 @@ def check_model_fits(name: str, num_classes: int, in_channels: int, image_size: 
         probe = _meta_forward(name, num_classes, in_channels, image_size)
     except PipelineError:
         raise
-    except (NotImplementedError,) as exc:  # an op without a meta kernel: nothing to say
+    except (NotImplementedError,):  # an op without a meta kernel: nothing to say
         return
     except Exception as exc:
         reason = " ".join(str(exc).split())[:200] or type(exc).__name__

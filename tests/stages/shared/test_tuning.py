@@ -1,5 +1,4 @@
 """Static int8 choices: --auto, the sensitivity fallback, and dynamic int8 on a Linear-heavy model."""
-import pytest
 import torch
 
 from pipeline.config import QuantizeConfig, TrainConfig

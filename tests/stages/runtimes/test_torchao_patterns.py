@@ -1,0 +1,44 @@
+"""torchao's pattern graphs are exported once per pattern and process, and each use gets a copy."""
+import torch
+
+from stages.runtimes import torchao_patterns
+
+
+def _pattern(scale):
+    def pattern(x, w):
+        return torch.nn.functional.conv2d(x, w) * scale
+
+    return pattern
+
+
+def test_a_pattern_is_exported_once_and_each_use_gets_its_own_copy():
+    exports = []
+
+    def export(pattern, example_inputs, is_cuda=False, **kwargs):
+        exports.append(pattern)
+        return torch.fx.symbolic_trace(torch.nn.Identity())
+
+    export_once = torchao_patterns.cached(export)
+    inputs = (torch.randn(1, 2, 4, 4), torch.randn(3, 2, 1, 1))
+    first = export_once(_pattern(2.0), inputs)
+    again = export_once(_pattern(2.0), (torch.zeros(1, 2, 4, 4), torch.ones(3, 2, 1, 1)))
+    assert len(exports) == 1 and first is not again  # same code, closure, shapes: one export
+    export_once(_pattern(3.0), inputs)  # another value closed over
+    export_once(_pattern(2.0), (torch.randn(1, 2, 5, 5), inputs[1]))  # another shape
+    export_once(_pattern(2.0), inputs, is_cuda=True)
+    export_once(_pattern(2.0), inputs, scale=torch.ones(3))
+    assert len(exports) == 5
+    unhashable = {"a": 1}
+    export_once(lambda x, w: (x, unhashable), inputs)  # closes over a dict: never cached
+    export_once(lambda x, w: (x, unhashable), inputs)
+    assert len(exports) == 7
+
+
+def test_the_cache_is_installed_where_torchao_looks_the_function_up():
+    from stages.runtimes.pytorch import _pt2e
+
+    _pt2e()
+    from torchao.quantization.pt2e import qat_utils, utils
+
+    assert utils._get_aten_graph_module_for_pattern is qat_utils._get_aten_graph_module_for_pattern
+    assert hasattr(utils._get_aten_graph_module_for_pattern, "__wrapped__")
