@@ -1,14 +1,23 @@
-"""Shared fixtures: one tiny run (smallcnn on 8x8 digits) trained, quantized, fine-tuned with QAT
-and reported once.
+"""Shared fixtures, each made once per session and copied where a test may change it:
+
+- tiny_run: smallcnn on 8x8 digits, trained (amp in bf16 beside fp32), every variant quantize
+  makes, and a report; the fast tier's one trained run.
+- tiny_qat_run: a copy of it fine-tuned by the qat stage and reported again (slow: torchao
+  exports about a hundred pattern graphs the first time QAT runs in a process).
+- cheap_run: a copy of one trained for an epoch in fp32 with ort-static and a batch-32 report,
+  for tests that need a complete run folder and not what is in it.
 
 bf16 training on a CPU with AMX needs oneDNN capped below AMX before its first kernel (see
-stages/precision.py); the CLI does that, and so does this file for tests that train in-process.
+stages/shared/precision.py); the CLI does that, and so does this file for tests that train
+in-process.
 """
 from __future__ import annotations
 
 from stages.shared.precision import cap_isa_for_bf16_training
 
 cap_isa_for_bf16_training("bf16", "cpu")  # before any test imports torch and runs a kernel
+
+import shutil  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -21,22 +30,58 @@ TINY_REPORT = dict(batch_sizes=(1, 32), warmup=1, rounds=5, max_rounds=5, repeat
 ALL_VARIANTS = ["fp32", "amp", "fp32-compiled", "torch-dynamic", "torch-static", "torch-qat",
                 "onnx-fp32", "ort-dynamic", "ort-static", "ort-qat", "openvino-fp32",
                 "openvino-int8"]
+FROM_QUANTIZE = [n for n in ALL_VARIANTS if n not in ("torch-qat", "ort-qat")]
+
+
+def _copy(run, folder):
+    from stages.shared import artifacts
+
+    shutil.copytree(run.artifacts_dir, folder)
+    return artifacts.open_run(folder, run.name)
 
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
-    """A complete run folder of the tiny model with every variant and a report. The amp model
-    trains in bf16 whatever the CPU, so that mixed precision is what is tested."""
-    from stages import qat, quantize, report, train
+    """A complete run folder of the tiny model with every variant quantize makes and a report.
+    The amp model trains in bf16 whatever the CPU, so that mixed precision is what is tested."""
+    from stages import quantize, report, train
     from stages.shared import artifacts
 
     run = artifacts.create_run(tmp_path_factory.mktemp("artifacts"), "tiny")
-    train_results = train.run(TrainConfig(**TINY_TRAIN | {"precision": "bf16",
-                                                          "measure_memory": True}), run)
+    train_results = train.run(TrainConfig(**TINY_TRAIN | {"precision": "bf16"}), run)
     quantize.run(QuantizeConfig(calibration_samples=128, quiet=True), run)
-    qat.run(QatConfig(epochs=1, quiet=True), run)
     report_data = report.run(ReportConfig(**TINY_REPORT), run)
     return {"run": run, "train": {r.variant: r for r in train_results}, "report": report_data}
+
+
+@pytest.fixture(scope="session")
+def tiny_qat_run(tiny_run, tmp_path_factory):
+    """tiny_run's copy after `qat` (one epoch) and a new report: torch-qat, maybe ort-qat."""
+    from stages import qat, report
+
+    run = _copy(tiny_run["run"], tmp_path_factory.mktemp("qat") / "artifacts")
+    qat.run(QatConfig(epochs=1, quiet=True), run)
+    return {"run": run, "train": tiny_run["train"],
+            "report": report.run(ReportConfig(**TINY_REPORT), run)}
+
+
+@pytest.fixture(scope="session")
+def _cheap_template(tmp_path_factory):
+    from stages import quantize, report, train
+    from stages.shared import artifacts
+
+    run = artifacts.create_run(tmp_path_factory.mktemp("template") / "artifacts", "cheap")
+    train.run(TrainConfig(**TINY_TRAIN | {"precision": "fp32", "epochs": 1}), run)
+    quantize.run(QuantizeConfig(methods="ort-static", calibration_samples=64, quiet=True), run)
+    report.run(ReportConfig(**TINY_REPORT | {"batch_sizes": (32,)}), run)
+    return run
+
+
+@pytest.fixture
+def cheap_run(_cheap_template, tmp_path):
+    """A complete run of its own (a test may damage it): smallcnn trained one epoch in fp32,
+    ort-static, and a report at batch 32."""
+    return _copy(_cheap_template, tmp_path / "artifacts")
 
 
 @pytest.fixture(scope="session")
@@ -54,9 +99,4 @@ def _fresh_template(tmp_path_factory):
 def fresh_tiny_run(_fresh_template, tmp_path):
     """A tiny run of its own (a test may damage it): trained in fp32, quantized with
     torch-static; a copy of one made once per session."""
-    import shutil
-
-    from stages.shared import artifacts
-
-    shutil.copytree(_fresh_template.artifacts_dir, tmp_path / "artifacts")
-    return artifacts.open_run(tmp_path / "artifacts", "fresh")
+    return _copy(_fresh_template, tmp_path / "artifacts")

@@ -4,6 +4,7 @@ not, since a timing in a test is a flaky test on a shared machine (the note and
 benchmarks/runtimes.py report them)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +17,17 @@ from tests.conftest import ALL_VARIANTS
 
 @pytest.mark.slow
 def test_default_chain_meets_the_size_and_accuracy_targets(tmp_path):
+    """Through the installed console script, as the README's first command runs it."""
     import torch
 
+    command = shutil.which("pipeline", path=str(Path(sys.executable).parent))
+    assert command, "the console script 'pipeline' is not installed beside this python"
     env = os.environ | {"PIPELINE_ARTIFACTS_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "train", "quantize", "report"],
-                          capture_output=True, text=True, env=env, timeout=1200)
+    proc = subprocess.run([command, "train", "quantize", "report"], capture_output=True,
+                          text=True, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    print("\n".join(line for line in proc.stderr.splitlines() if ": done in " in line))
+    assert "recommended: " in proc.stdout
     report_md = Path(proc.stdout.strip().splitlines()[-1].removeprefix("report: "))
     report = json.loads(report_md.with_name("report.json").read_text())
     models = {m["name"]: m for m in report["models"]}

@@ -7,11 +7,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import onnx
 import pytest
 import torch
+from click.testing import CliRunner
 
+from pipeline.cli import cli
 from stages.runtimes.onnxruntime import ort_session
 from stages.shared import artifacts
 from stages.shared.errors import PipelineError
@@ -58,20 +61,34 @@ def _plant(run, name, content: bytes):
     run.manifest_path.write_text(json.dumps(manifest))
 
 
+def _argv(run, *args):
+    return ["--artifacts-dir", str(run.artifacts_dir), "--run", run.name, "--quiet", *args]
+
+
 def _pipeline(run, *args):
-    return subprocess.run([sys.executable, "-m", "pipeline", "--artifacts-dir",
-                           str(run.artifacts_dir), "--run", run.name, "--quiet", *args],
+    """The CLI in this process, with its exit code and output as a subprocess would have them."""
+    result = CliRunner().invoke(cli, _argv(run, *args))
+    return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout,
+                           stderr=result.stderr)
+
+
+def _pipeline_process(run, *args):
+    """The same in a process of its own: what runs there is what a user's shell runs."""
+    return subprocess.run([sys.executable, "-m", "pipeline", *_argv(run, *args)],
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("stage_args, target", [
-    (["quantize", "--methods", "torch-static"], "amp"),
-    (["report", "--rounds", "5", "--max-rounds", "5", "--repeats", "4", "--batch-sizes", "32"], "fp32"),
-    (["report", "--rounds", "5", "--max-rounds", "5", "--repeats", "4", "--batch-sizes", "32"], "torch-static"),
-    (["train", "--resume"], "amp/checkpoint-step0000042"),  # the newest of 2 epochs
+REPORT = ["report", "--rounds", "5", "--max-rounds", "5", "--repeats", "4", "--batch-sizes", "32"]
+
+
+@pytest.mark.parametrize("stage_args, target, run_in", [
+    (["quantize", "--methods", "torch-static"], "amp", _pipeline),
+    (REPORT, "fp32", _pipeline_process),
+    (REPORT, "torch-static", _pipeline),
+    (["train", "--resume"], "amp/checkpoint-step0000042", _pipeline),  # the newest of 2 epochs
 ])
 def test_a_code_carrying_checkpoint_is_refused_by_every_stage(fresh_tiny_run, tmp_path,
-                                                              stage_args, target):
+                                                              stage_args, target, run_in):
     run = fresh_tiny_run
     marker = tmp_path / "payload-ran"
     if target.startswith("amp/checkpoint"):  # make the resume start from the planted file
@@ -79,7 +96,7 @@ def test_a_code_carrying_checkpoint_is_refused_by_every_stage(fresh_tiny_run, tm
         del manifest["artifacts"]["amp"]
         run.manifest_path.write_text(json.dumps(manifest))
     _plant(run, target, pickle.dumps({"state_dict": Payload(marker)}))
-    proc = _pipeline(run, *stage_args)
+    proc = run_in(run, *stage_args)
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert "weights-only" in lines[-1] and lines[-1].startswith("pipeline: error:")
@@ -92,7 +109,7 @@ def test_a_flipped_bit_is_reported_by_name(fresh_tiny_run):
     data = bytearray(path.read_bytes())
     data[100] ^= 1
     path.write_bytes(bytes(data))
-    proc = _pipeline(run, "report", "--rounds", "5", "--max-rounds", "5", "--repeats", "4", "--batch-sizes", "32")
+    proc = _pipeline(run, *REPORT)
     assert proc.returncode == 1
     assert "torch-static" in proc.stderr and "sha256" in proc.stderr
 
@@ -110,7 +127,7 @@ def test_a_graph_file_that_names_anything_but_an_operator_is_refused(fresh_tiny_
     buffer = io.BytesIO()
     torch.save(data, buffer)
     _plant(run, "torch-static", buffer.getvalue())
-    proc = _pipeline(run, "report", "--rounds", "5", "--max-rounds", "5", "--repeats", "4", "--batch-sizes", "32")
+    proc = _pipeline(run, *REPORT)
     assert proc.returncode == 1, proc.stderr[-1000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert f"calls {target!r}" in line and "torch-static" in line
@@ -127,8 +144,7 @@ def test_a_manifest_entry_pointing_outside_the_run_is_refused_by_every_stage(
     manifest = json.loads(run.manifest_path.read_text())
     manifest["artifacts"]["amp"] |= {"path": relative, "sha256": artifacts.sha256_file(outside)}
     run.manifest_path.write_text(json.dumps(manifest))
-    for args in (["quantize", "--methods", "ort-static"],
-                 ["report", "--rounds", "5", "--max-rounds", "5", "--repeats", "4", "--batch-sizes", "32"]):
+    for args in (["quantize", "--methods", "ort-static"], REPORT):
         proc = _pipeline(run, *args)
         assert proc.returncode == 1, proc.stderr[-1000:]
         line = proc.stderr.strip().splitlines()[-1]
@@ -168,7 +184,8 @@ def test_external_data_pointing_outside_is_refused(tiny_run, tmp_path, kind):
 def test_garbage_or_truncated_onnx_is_a_clean_error_in_a_subprocess(tiny_run, tmp_path, content):
     source = tiny_run["run"].verified_path("onnx-fp32").read_bytes()
     path = tmp_path / "broken.onnx"
-    path.write_bytes(b"\x08\x07garbage" * 50 if content == "garbage" else source[: len(source) // 2])
+    path.write_bytes(b"\x08\x07garbage" * 50 if content == "garbage"
+                     else source[: len(source) // 2])
     code = ("import sys\nfrom stages.runtimes.onnxruntime import ort_session\n"
             "from stages.shared.errors import PipelineError\n"
             "try:\n    ort_session(sys.argv[1], 1)\nexcept PipelineError as e:\n"

@@ -1,6 +1,8 @@
 """Quantization-aware training: frozen BatchNorm statistics, and what the qat stage leaves."""
 import copy
+import json
 
+import onnx
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from stages.shared.errors import PipelineError
 from tests.conftest import TINY_TRAIN
 
 
+@pytest.mark.slow
 def test_frozen_batchnorm_keeps_its_statistics_while_training_goes_on():
     quantize_pt2e, _ = torch_runtime._pt2e()
     from stages.shared.builtin_models import smallcnn
@@ -44,8 +47,11 @@ def test_frozen_batchnorm_keeps_its_statistics_while_training_goes_on():
     assert any(not torch.equal(a, b.detach()) for a, b in zip(weights, prepared.parameters()))
 
 
-def test_the_qat_stage_leaves_a_checked_int8_model(tiny_run):
-    run = tiny_run["run"]
+@pytest.mark.slow
+def test_the_qat_stage_leaves_a_checked_int8_model(tiny_qat_run):
+    from tests.stages.test_quantize import stored_weight_bytes
+
+    run = tiny_qat_run["run"]
     entry = run.entry("torch-qat")
     info = entry["quantization"]
     assert entry["stage"] == "qat" and entry["parent"] == "amp"
@@ -55,8 +61,70 @@ def test_the_qat_stage_leaves_a_checked_int8_model(tiny_run):
     # Inductor's int8 kernels against the graph they were compiled from, on the check images
     assert info["compiled_vs_graph"]["samples"] == 128
     assert info["compiled_vs_graph"]["top1_agreement"] >= 0.9
-    qat_row = next(m for m in tiny_run["report"]["models"] if m["name"] == "torch-qat")
-    assert qat_row["int8"] and qat_row["size_bytes"] < 0.6 * run.shipped_bytes("fp32")
+    stored = stored_weight_bytes(run, "torch-qat")
+    assert stored["int8"] == stored["float_model_weights"] // 4  # every weight, in one byte
+    assert stored["float"] < 0.1 * stored["float_model_weights"]  # scales and biases only
+    config = json.loads((run.root / "config.json").read_text())
+    assert config["qat"]["source"] == "amp"
+
+
+@pytest.mark.slow
+def test_a_fine_tuned_model_is_judged_on_the_validation_split_alone(tiny_qat_run):
+    from stages import runtimes
+    from stages.shared.data import splits_of_run
+    from stages.shared.evaluate import predict_dataset
+
+    run, data = tiny_qat_run["run"], tiny_qat_run["report"]
+    splits = splits_of_run(run)
+    models = {m["name"]: m for m in data["models"]}
+    fine_tuned = {"torch-qat", "ort-qat"} & set(models)
+    assert "torch-qat" in fine_tuned
+    for name, model in models.items():
+        judged = model["validation"]
+        if name in fine_tuned:
+            assert (judged["samples"], judged["images"]) == (len(splits.val), "validation split")
+        else:  # training images too
+            assert judged["samples"] > len(splits.val), name
+            assert judged["images"] == "validation split and held-out training images", name
+            assert judged["change_vs_reference"]["difference"] == pytest.approx(
+                judged["accuracy"] - models["fp32"]["validation"]["accuracy"])
+    # Paired with fp32 on the same images: fp32's accuracy on the validation split alone.
+    logits, labels = predict_dataset(runtimes.load(run, "fp32", 1).predict, splits.val)
+    fp32_on_validation = (logits.argmax(1) == labels).sum().item() / len(labels)
+    for name in fine_tuned:
+        judged = models[name]["validation"]
+        assert judged["change_vs_reference"]["difference"] == pytest.approx(
+            judged["accuracy"] - fp32_on_validation)
+    verdict = data["verdict"]
+    assert verdict["chosen_on"] == models[verdict["recommended"]]["validation"]["images"]
+    markdown_text = (run.root / "report" / "report.md").read_text()
+    names = ", ".join(f"`{n}`" for n in ("torch-qat", "ort-qat") if n in fine_tuned)
+    assert f"validation images alone: {names}. Their weights were fine-tuned" in markdown_text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agreement", [1.0, 0.5])
+def test_ort_qat_is_kept_only_where_onnx_runtime_agrees_with_torch_qat(
+        tiny_run, tmp_path, monkeypatch, capsys, agreement):
+    """Kept with its parity recorded where ONNX Runtime's fused model agrees with torch-qat
+    on 98% of the check images, refused (and its file removed) below."""
+    from tests.conftest import _copy
+
+    run = _copy(tiny_run["run"], tmp_path / "artifacts")
+    real = qat.compare_logits
+    monkeypatch.setattr(qat, "compare_logits", lambda a, b: real(a, b) | {
+        "top1_agreement": agreement})
+    qat.run(QatConfig(epochs=1), run)
+    if agreement >= 0.98:
+        assert run.entry("ort-qat")["quantization"]["parity_vs_torch_qat"][
+            "top1_agreement"] == agreement
+        assert "QuantizeLinear" in {n.op_type for n in onnx.load(
+            str(run.verified_path("ort-qat"))).graph.node}
+    else:
+        assert "ort-qat" not in run.artifacts()
+        assert not (run.root / "quantize" / "ort-qat.onnx").exists()
+        assert "qat: ort-qat not kept: ONNX Runtime agrees with torch-qat on only 50.0%" \
+            in capsys.readouterr().err
 
 
 def test_batchnorm_statistics_of_the_qat_graph_are_recomputed_from_training_images():
@@ -94,6 +162,7 @@ def test_batchnorm_statistics_of_the_qat_graph_are_recomputed_from_training_imag
     assert "True, 0.0003," in graph.code  # and in the code the graph runs
 
 
+@pytest.mark.slow
 def test_validation_images_never_move_the_quantization_ranges(tmp_path, monkeypatch):
     """Each epoch is scored with the observers off, and the epoch kept is restored as scored:
     ranges come from training images only."""
@@ -130,6 +199,7 @@ def _one_signed_conv_net():
     return nn.Sequential(conv, nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(144, 10))  # 4 x 6 x 6 from 8 x 8 images
 
 
+@pytest.mark.slow
 def test_qat_trains_with_the_weight_quantization_it_deploys():
     """Every fake quantizer of the QAT graph quantizes with the scale and zero point that
     convert_pt2e will deploy (it asks each one's observer). torchao 0.18's fused fake-quant
@@ -260,6 +330,7 @@ def _user_run(tmp_path, monkeypatch, factory):
     return run
 
 
+@pytest.mark.slow
 def test_stochastic_depth_is_off_in_fine_tuning_so_the_int8_model_is_deterministic(
         tmp_path, monkeypatch):
     """Exported for training, StochasticDepth becomes bernoulli_ ops that eval mode keeps:
@@ -274,6 +345,7 @@ def test_stochastic_depth_is_off_in_fine_tuning_so_the_int8_model_is_determinist
     assert torch.equal(graph(images), graph(images))
 
 
+@pytest.mark.slow
 def test_a_model_that_stays_random_in_eval_mode_is_refused_before_fine_tuning(
         tmp_path, monkeypatch):
     run = _user_run(tmp_path, monkeypatch, "noisy")

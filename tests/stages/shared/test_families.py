@@ -49,6 +49,7 @@ def test_every_torchvision_family_has_a_representative():
         assert _family(name) == family
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_smallest_size_is_accepted_and_the_next_smaller_one_refused(family):
     name, size = FAMILIES[family]
@@ -59,6 +60,7 @@ def test_the_smallest_size_is_accepted_and_the_next_smaller_one_refused(family):
             check_model_fits(name, 10, 1, smaller, 2, CPU)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(set(FAMILIES) - STEP_SKIPS))
 def test_one_training_step_at_the_smallest_size_and_its_weights_reload(family, tmp_path):
     name, size = FAMILIES[family]
@@ -80,6 +82,7 @@ def test_one_training_step_at_the_smallest_size_and_its_weights_reload(family, t
                                                  model.state_dict().values()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", PT2E_FAMILIES)
 def test_pt2e_int8_and_its_graph_file_at_the_smallest_size(family):
     from stages.runtimes.pytorch import pt2e_options, quantize_pt2e
@@ -109,6 +112,7 @@ def test_googlenet_below_its_chain_size_is_refused_with_the_reason():
                                  f"{smallest} or larger")
 
 
+@pytest.mark.slow
 def test_googlenet_converts_to_openvino_at_its_chain_size(tmp_path):
     """What CHAIN_MIN_SIZE rests on: at 32x32 OpenVINO takes GoogLeNet's ONNX file."""
     import openvino as ov

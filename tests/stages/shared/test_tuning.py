@@ -1,4 +1,5 @@
 """Static int8 choices: --auto, the sensitivity fallback, and dynamic int8 on a Linear-heavy model."""
+import pytest
 import torch
 
 from pipeline.config import QuantizeConfig, TrainConfig
@@ -35,6 +36,7 @@ def _outlier_run(tmp_path):
     return run
 
 
+@pytest.mark.slow
 def test_outliers_miss_the_budget_until_sensitive_layers_stay_float(tmp_path):
     run = _outlier_run(tmp_path)
     quantize.run(QuantizeConfig(methods="torch-static,ort-static,openvino-int8",
@@ -53,19 +55,23 @@ def test_outliers_miss_the_budget_until_sensitive_layers_stay_float(tmp_path):
         assert sum(c["int8"] for c in counts.values()) == 4 - floats, (name, counts)
 
 
-def test_auto_tries_several_configurations_and_keeps_the_fastest_within_budget(tiny_run):
-    run = tiny_run["run"]
+@pytest.mark.slow
+def test_auto_tries_several_configurations_and_keeps_the_fastest_within_budget(tiny_run,
+                                                                                tmp_path):
+    from tests.conftest import _copy
+
+    run = _copy(tiny_run["run"], tmp_path / "artifacts")
+    # A budget every configuration of the tiny model meets, so that speed alone decides.
     quantize.run(QuantizeConfig(methods="ort-static,openvino-int8", auto=True,
-                                calibration_samples=128, quiet=True), run)
+                                max_accuracy_drop=20.0, calibration_samples=128, quiet=True),
+                 run)
     for name, count in (("ort-static", 5), ("openvino-int8", 2)):
         record = run.entry(name)["quantization"]["tuning"]
         assert len(record["tried"]) == count
-        assert all(t["latency_ms_p50"] > 0 for t in record["tried"])
-        within = [t for t in record["tried"] if t["drop_points"] <= 1.0]
-        if within:
-            fastest = min(t["latency_ms_p50"] for t in within)
-            assert record["chosen"]["latency_ms_p50"] == fastest
-            assert "fastest" in record["why"]
+        assert all(t["drop_points"] <= 20.0 and t["latency_ms_p50"] > 0 for t in record["tried"])
+        fastest = min(t["latency_ms_p50"] for t in record["tried"])
+        assert record["chosen"]["latency_ms_p50"] == fastest
+        assert record["why"].startswith(f"fastest ({fastest:.2f} ms) of {count} configuration")
         assert record["images"] > 300  # validation split plus unused training images
     assert run.entry("ort-static")["quantization"]["format"] == "QDQ"
 
@@ -80,6 +86,7 @@ def test_choose_prefers_the_fastest_within_budget_and_says_when_none_fits():
     assert none is None and "none of 1 configuration(s) stayed within 1 point" in why
 
 
+@pytest.mark.slow
 def test_dynamic_int8_makes_a_linear_heavy_model_smaller_with_int8_linear_layers(tmp_path):
     run = artifacts.create_run(tmp_path, "mixer")
     train.run(TrainConfig(model="mixer", epochs=1, lr=0.05, baseline=False, measure_memory=False,
