@@ -1,4 +1,4 @@
-"""The checks that need a GPU, in one go (issue 9): run it on a CUDA machine.
+"""The checks that need a GPU, in one go: run it on a CUDA machine.
 
     .venv/bin/python benchmarks/gpu_checks.py [--out DIR]
 

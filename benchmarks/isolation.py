@@ -1,4 +1,4 @@
-"""Does the report time each variant as it would run alone? (issue 25)
+"""Does the report time each variant as it would run alone?
 
     .venv/bin/python benchmarks/isolation.py [--run NAME] [--artifacts-dir artifacts]
                                              [--batch-size 32] [--processes 3] [--seconds 3]

@@ -1,4 +1,4 @@
-"""Every variant of a run, timed the report's way, as the table in issue 10 and DESIGN.md.
+"""Every variant of a run, timed the report's way, as the tables in docs/measurements.md.
 
     .venv/bin/python benchmarks/runtimes.py [--run NAME] [--artifacts-dir artifacts] [--rounds 8] [--repeats 4]
 

@@ -374,9 +374,6 @@ def import_(ctx: click.Context, **flags) -> Processor:
                    "[default: 70% of --epochs]")
 @click.option("--precision", type=click.Choice(cfg.PRECISIONS),
               help="Autocast type of the fine-tuning; auto: the float model's own.")
-@click.option("--max-accuracy-drop", type=float, metavar="POINTS",
-              help="Validation accuracy torch-qat may lose against its float source.  "
-                   "[default: 1.0]")
 @_run_options
 @click.pass_context
 def qat(ctx: click.Context, **flags) -> Processor:
@@ -421,10 +418,9 @@ def quantize(ctx: click.Context, **flags) -> Processor:
     if flags.get("per_channel") is not None:
         flags["per_channel"] = bool(flags["per_channel"])
     config = _build(ctx, "quantize", flags)
-    # --auto falls back to QAT (with its own defaults and the same budget) only when no
-    # post-training configuration meets the budget; built here so a bad [qat] table stops early.
-    qat_config = (_build(ctx, "qat", _common(ctx, {"max_accuracy_drop": config.max_accuracy_drop},
-                                             "seed", "device", "quiet"))
+    # --auto falls back to QAT (with its own defaults) only when no post-training configuration
+    # meets the budget; built here so a bad [qat] table stops early.
+    qat_config = (_build(ctx, "qat", _common(ctx, {}, "seed", "device", "quiet"))
                   if config.auto else None)
 
     def process(run) -> None:
@@ -465,6 +461,9 @@ def quantize(ctx: click.Context, **flags) -> Processor:
                    "[default: 1.0]")
 @click.option("--fail-under-speedup", type=float, metavar="X",
               help="Exit 1 when the recommended variant is less than X times faster than fp32.")
+@click.option("--fail-under-float-speedup", type=float, metavar="X",
+              help="Exit 1 when the recommended variant is less than X times faster than the "
+                   "fastest float variant (the report's headline ratio).")
 @click.option("--compare", multiple=True, metavar="RUN[,RUN...]",
               help="Also put these runs' reports side by side with this one (compare.md).")
 @_run_options

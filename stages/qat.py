@@ -22,7 +22,7 @@ from stages.runtimes.onnxruntime import onnx_op_counts, ort_predict, ort_session
 from stages.shared.artifacts import Run
 from stages.shared.data import EpochSampler, make_loader, splits_of_run
 from stages.shared.errors import PipelineError
-from stages.shared.evaluate import compare_logits, dataset_accuracy
+from stages.shared.evaluate import PARITY_MIN_AGREEMENT, compare_logits, dataset_accuracy
 from stages.shared.precision import (
     Precision,
     grad_scaler,
@@ -31,7 +31,6 @@ from stages.shared.precision import (
 )
 from stages.shared.progress import progress, say
 
-PARITY_MIN_AGREEMENT = 0.98
 BATCH_NORM_OPS = ("aten.batch_norm.default", "aten._native_batch_norm_legit.default",
                   "aten.cudnn_batch_norm.default")
 

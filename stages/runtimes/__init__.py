@@ -73,10 +73,6 @@ def load(run, name: str, threads: int) -> Loaded:
     return LOADERS[VARIANTS[name].runtime](run, name, threads)
 
 
-def float_variants() -> list[str]:
-    return [v.name for v in VARIANTS.values() if not v.int8]
-
-
 def made_by_quantize() -> list[str]:
     return [v.name for v in VARIANTS.values() if v.make is not None]
 

@@ -3,7 +3,7 @@
 
 Static quantization writes QDQ graphs with uint8 activations and int8 weights: on x86 CPUs that
 format runs on ONNX Runtime's fast int8 kernels, while QOperator and S8S8 graphs measured
-several times slower than fp32 on the development machines (DESIGN.md).
+several times slower than fp32 on the development machines (docs/design.md).
 """
 from __future__ import annotations
 
@@ -260,7 +260,7 @@ def make_static(ctx) -> dict:
         candidates = [static_options("u8s8", pc, cal)
                       for cal in ("minmax", "percentile") for pc in (False, True)]
         candidates.append(static_options("s8s8", False, "minmax"))
-    else:  # per-tensor measured fastest with VNNI (DESIGN.md)
+    else:  # per-tensor measured fastest with VNNI (docs/design.md)
         candidates = [static_options(config.ort_types, bool(config.per_channel),
                                      config.calibration_method or "minmax", config.ort_format)]
     reference = ctx.reference(lambda images: ort_predict(ort_session(pre, ctx.threads), images))

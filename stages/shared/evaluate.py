@@ -6,6 +6,10 @@ from typing import Callable
 
 from stages.shared.data import batches
 
+# Top-1 agreement below which two runtimes' versions of one model are said to disagree (the
+# report's parity table) and ort-qat is not kept.
+PARITY_MIN_AGREEMENT = 0.98
+
 
 def predict(model, images, batch_size: int = 256, device=None, autocast=None):
     """Logits of ``model`` for a tensor of images, in eval mode, as fp32 on the CPU.

@@ -142,3 +142,10 @@ def test_compare_and_the_speedup_gate(cheap_run):
     line = gate.stderr.strip().splitlines()[-1]
     assert "under --fail-under-speedup 1000" in line and "recommended variant" in line
     assert invoke(*base, "--run", "two", *FAST_REPORT, "--fail-under-speedup", "0.01").exit_code == 0
+    # Against the fastest float variant, the report's own headline ratio.
+    verdict = json.loads((artifacts_dir / "runs" / "two" / "report" / "report.json").read_text())[
+        "verdict"]
+    floor = invoke(*base, "--run", "two", *FAST_REPORT, "--fail-under-float-speedup", "1000")
+    assert floor.exit_code == 1
+    assert (f"as fast as the fastest float variant, {verdict['per_batch_size']['32']['best_float']}"
+            f", at batch 32, under --fail-under-float-speedup 1000") in floor.stderr

@@ -13,7 +13,7 @@ from stages.shared import artifacts
 from stages.shared.checkpoints import weights_digest
 
 TRAIN = ["train", "--model", "smallcnn", "--image-size", "16", "--batch-size", "16", "--epochs",
-         "3", "--no-baseline", "--checkpoint-every", "10", "--deterministic", "--no-measure-memory"]
+         "2", "--no-baseline", "--checkpoint-every", "10", "--deterministic", "--no-measure-memory"]
 
 
 def _pipeline(tmp_path, *args):
@@ -72,7 +72,7 @@ def test_sigkill_mid_epoch_then_resume_ends_bit_identical(tmp_path):
     history = [[{k: json.loads(line)[k] for k in fields}
                 for line in (r.root / "train" / "amp" / "metrics.jsonl").read_text().splitlines()]
                for r in (run_whole, run_killed)]
-    assert history[0] == history[1] and len(history[0]) == 3
+    assert history[0] == history[1] and len(history[0]) == 2
 
 
 def test_resume_refuses_new_flags(tmp_path):

@@ -53,8 +53,11 @@ def test_a_users_model_trains_quantizes_and_is_rebuilt_from_the_manifest(tmp_pat
     assert proc.returncode == 0, proc.stderr[-2000:]
     models = {m["name"]: m for m in _report(tmp_path, "mine")["models"]}
     assert models["torch-static"]["op_counts"]["Conv"]["int8"] == 1
-    assert models["fp32"]["accuracy"] > 0.3
-    spec = artifacts.open_run(tmp_path / "artifacts", "mine").entry("amp")["model_spec"]
+    run = artifacts.open_run(tmp_path / "artifacts", "mine")
+    # The report's process rebuilt the model and scored it as training did (0.40 after two
+    # epochs of this 8-channel net, four times chance).
+    assert models["fp32"]["accuracy"] == run.entry("fp32")["training"]["test_accuracy"] >= 0.3
+    spec = run.entry("amp")["model_spec"]
     assert spec["model"] == "usernets:tiny"
     # A later stage in another process rebuilds the model from what the manifest records,
     # and says so when that code has gone.

@@ -136,6 +136,17 @@ def test_verdict_ranks_by_validation_budget_and_says_within_noise():
     assert looser["per_batch_size"]["32"]["within_noise_of"] == []
 
 
+def test_the_recommendation_is_for_the_largest_batch_whatever_order_they_were_listed_in():
+    rows = [_row("fp32", [10.0] * 6, 0.0, int8=False), _row("ort-static", [2.0] * 6, 0.2)]
+    for row in rows:  # batch 1 listed after batch 32, where ort-static is the slower
+        row["latency_ms"]["1"] = timing.Timing([[5.0 if row["int8"] else 1.0] * 4] * 6).summary(
+            ) | {"rounds_ms": [[5.0 if row["int8"] else 1.0] * 4] * 6}
+    report.speedups(rows, "fp32")
+    v = report.verdict(rows, "fp32", budget_points=1.0)
+    assert v["batch_size"] == 32 and v["recommended"] == "ort-static"
+    assert v["per_batch_size"]["1"]["recommended"] == "fp32"
+
+
 def test_warnings_explain_slow_int8_from_what_it_contains():
     rows = [_row("fp32", [10.0] * 6, 0.0, int8=False),
             _row("onnx-fp32", [5.0] * 6, 0.0, int8=False),

@@ -1,5 +1,5 @@
 """Every ONNX Runtime session the pipeline opens stops its threads spinning when a run returns:
-otherwise they take the cores from whatever is timed next (issue 25)."""
+otherwise they take the cores from whatever is timed next."""
 import onnx
 from onnx import TensorProto, helper
 

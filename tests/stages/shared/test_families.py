@@ -1,4 +1,5 @@
-"""Every model --model accepts trains, or is refused at the flag with the reason (issue 9).
+"""Every torchvision family builds, takes a training step and reloads, or is refused at the
+flag with the reason; one model of each of the families below quantizes with PT2E.
 
 One representative per torchvision family, at the smallest size it allows: the cheapest member
 of each family (measured: every family's steps cost within 2x of its cheapest member's). A
