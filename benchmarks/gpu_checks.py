@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = [sys.executable, "-m", "pipeline"]
 
 
@@ -129,41 +130,17 @@ def ddp(artifacts: Path) -> dict:
         return {"ok": False, "error": out[-2000:]}
     world = training_results(artifacts, "ddp")["amp"].get("world_size")
     # One rank raises in its third forward pass: every rank must exit non-zero, promptly.
-    failing = Path(artifacts).parent / "failing.py"
-    failing.write_text(FAILING_RANK)
     started = time.perf_counter()
     failed, _, _ = sh(torchrun + ["--artifacts-dir", str(artifacts), "--quiet", "train",
-                                  "--model", "failing:net", "--image-size", "8", "--epochs", "1",
-                                  "--no-baseline"],
-                      env={"PIPELINE_RUN": "ddp-fail", "PYTHONPATH": str(failing.parent)},
+                                  "--model", "tests.pipeline.failing_rank:net", "--image-size",
+                                  "8", "--epochs", "1", "--no-baseline"],
+                      env={"PIPELINE_RUN": "ddp-fail", "PYTHONPATH": str(ROOT)},
                       timeout=600)
     return {"ok": world == 2 and failed != 0, "world_size": world, "seconds": seconds,
             "one_rank_failing_exit": failed,
             "one_rank_failing_seconds": time.perf_counter() - started}
 
 
-FAILING_RANK = """
-import os
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self, num_classes, in_channels):
-        super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(in_channels, 8, 3), nn.ReLU(),
-                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes))
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        if self.training and os.environ.get("RANK") == "1" and self.calls == 3:
-            raise RuntimeError("rank 1 fails on purpose")
-        return self.body(x)
-
-
-def net(num_classes, in_channels):
-    return Net(num_classes, in_channels)
-"""
 
 
 def main() -> None:

@@ -151,6 +151,9 @@ def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Pa
     world = distributed.setup(ctx.obj["device"])  # a single process unless torchrun started us
     try:
         if processors[0][0] in CREATES_A_RUN and not ctx.obj.get("resume"):
+            # Input that cannot work (a model that does not import, weights that are not
+            # weights) is refused before a run folder exists or `latest` moves to it.
+            getattr(processors[0][1], "preflight", lambda: None)()
             # Rank 0 makes the run folder; every rank then works on the same run.
             name = artifacts.create_run(artifacts_dir, run_name).name if world.is_main else None
             run = artifacts.Run(Path(artifacts_dir), distributed.broadcast(name))
@@ -329,6 +332,10 @@ def train(ctx: click.Context, resume: bool, **flags) -> Processor:
             if name in run.artifacts():
                 click.echo(f"{name}: {run.root / run.entry(name)['path']}")
 
+    if config is not None:
+        from stages import train as train_stage
+
+        process.preflight = lambda: train_stage.preflight(config)
     return "train", process
 
 
@@ -359,6 +366,9 @@ def import_(ctx: click.Context, **flags) -> Processor:
         import_model.run(config, run)
         click.echo(f"fp32: {run.root / run.entry('fp32')['path']}")
 
+    from stages import import_model
+
+    process.preflight = lambda: import_model.preflight(config)
     return "import", process
 
 

@@ -87,6 +87,20 @@ def _at_least(flag: str, value: float, low: float) -> None:
         raise ValueError(f"{flag} must be at least {low}, got {value}")
 
 
+def _check_data_flags(config) -> None:
+    """The flags train and import share: the data, its split and size, and the model's name."""
+    _choice("--dataset", config.dataset, DATASET_NAMES)
+    _expanded("--data-dir", config.data_dir)
+    if not 0.0 < config.val_fraction < 1.0:
+        raise ValueError(f"--val-fraction must be between 0 and 1, got {config.val_fraction}")
+    if config.in_channels is not None:
+        _choice("--in-channels", config.in_channels, (1, 3))
+    _at_least("--image-size", config.image_size, 8)
+    from stages.shared.models import check_model_name
+
+    check_model_name(config.model)
+
+
 @dataclass
 class TrainConfig:
     model: str = "resnet18"
@@ -120,16 +134,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _choice("--dataset", self.dataset, DATASET_NAMES)
+        _check_data_flags(self)
         if self.init_weights and self.weights:
             raise ValueError("--init-weights and --weights both name starting weights; give one")
         if self.init_weights and not _expanded("--init-weights", self.init_weights).is_file():
             raise ValueError(f"--init-weights {self.init_weights!r} is not a file")
-        _expanded("--data-dir", self.data_dir)
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
-        if self.in_channels is not None:
-            _choice("--in-channels", self.in_channels, (1, 3))
         _at_least("--workers", self.workers, 0)
         if not self.loader_timeout > 0:
             raise ValueError(f"--loader-timeout must be greater than 0, got {self.loader_timeout}")
@@ -140,16 +149,12 @@ class TrainConfig:
         _choice("--device", self.device, DEVICES)
         _at_least("--epochs", self.epochs, 1)
         _at_least("--batch-size", self.batch_size, 1)
-        _at_least("--image-size", self.image_size, 8)
         if not self.lr > 0:
             raise ValueError(f"--lr must be greater than 0, got {self.lr}")
         _at_least("--weight-decay", self.weight_decay, 0.0)
         _at_least("--grad-clip", self.grad_clip, 0.0)
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
-        from stages.shared.models import check_model_name
-
-        check_model_name(self.model)
 
 
 @dataclass
@@ -173,17 +178,8 @@ class ImportConfig:
         if not self.weights:
             raise ValueError("--weights is required: the file (or torchvision weights name) to "
                              "import")
-        _choice("--dataset", self.dataset, DATASET_NAMES)
         _expanded("--weights", self.weights)
-        _expanded("--data-dir", self.data_dir)
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
-        if self.in_channels is not None:
-            _choice("--in-channels", self.in_channels, (1, 3))
-        _at_least("--image-size", self.image_size, 8)
-        from stages.shared.models import check_model_name
-
-        check_model_name(self.model)
+        _check_data_flags(self)
 
 
 @dataclass

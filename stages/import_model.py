@@ -26,6 +26,19 @@ def weights_file(config) -> Path:
     return path if path.is_file() else pretrained_file(config.model, config.weights)
 
 
+def preflight(config) -> None:
+    """What can be refused before a run exists: a model that cannot take the data, and weights
+    that are not a state_dict or do not fit the model."""
+    import torch
+
+    classes, channels, held = expected_shape(config)
+    check_model_fits(config.model, classes, channels, config.image_size, 1, torch.device("cpu"),
+                     held)
+    path = weights_file(config)
+    model = build_model(config.model, classes, channels, config.image_size)
+    load_into(model, read_state_dict(path), str(path), adapt=False)
+
+
 def run(config, run: Run) -> dict:
     import torch
 

@@ -19,6 +19,7 @@ from stages.quantize import QuantContext, float_source
 from stages.runtimes import onnx_export
 from stages.runtimes import pytorch as torch_runtime
 from stages.runtimes.onnxruntime import onnx_op_counts, ort_predict, ort_session
+from stages.shared import batchnorm
 from stages.shared.artifacts import Run
 from stages.shared.data import EpochSampler, make_loader, splits_of_run
 from stages.shared.errors import PipelineError
@@ -30,60 +31,7 @@ from stages.shared.precision import (
     seed_everything,
 )
 from stages.shared.progress import progress, say
-
-BATCH_NORM_OPS = ("aten.batch_norm.default", "aten._native_batch_norm_legit.default",
-                  "aten.cudnn_batch_norm.default")
-
-
-def _batchnorm_nodes(graph) -> list:
-    return [n for n in graph.graph.nodes
-            if n.op == "call_function" and str(n.target) in BATCH_NORM_OPS]
-
-
-def _set_batchnorm_args(nodes, graph, recompile: bool = True, **values) -> None:
-    # aten batch_norm and _native_batch_norm_legit: (input, weight, bias, running_mean,
-    # running_var, training, momentum, eps, ...)
-    where = {"training": 5, "momentum": 6}
-    for node in nodes:
-        args = list(node.args)
-        for name, value in values.items():
-            args[where[name]] = value
-        node.args = tuple(args)
-    if recompile:
-        graph.recompile()
-
-
-def freeze_batchnorm(graph) -> None:
-    """Let BatchNorm use its running statistics from now on, and stop updating them, while the
-    rest of the graph goes on training: its `training` argument set to False."""
-    _set_batchnorm_args(_batchnorm_nodes(graph), graph, training=False)
-
-
-def recompute_batchnorm(graph, dataset, batch_size: int, device) -> None:
-    """train.recompute_batchnorm for an exported graph: running statistics set to the plain
-    average over training batches of the model as it now is, fake quantization included,
-    before they freeze. torchao's QAT pattern gives every BatchNorm a momentum of 0.1
-    (MNASNet's own is 0.0003), so its running values are an average of the last few batches
-    of the epoch. On mnasnet0_5 torch-qat ended 4.9 validation points below the float model
-    without the recompute, 1.4 with it (144 images: one image is 0.7). A momentum of 1/k at
-    batch k makes the running value the plain average."""
-    import torch
-
-    from stages.train import BATCHNORM_BATCHES
-
-    nodes = _batchnorm_nodes(graph)
-    if not nodes:
-        return
-    saved = [(n.args[5], n.args[6]) for n in nodes]
-    with torch.no_grad():
-        for i, (images, _) in enumerate(make_loader(dataset, batch_size)):
-            if i == BATCHNORM_BATCHES:
-                break
-            _set_batchnorm_args(nodes, graph, training=True, momentum=1.0 / (i + 1))
-            graph(images.to(device))
-    for node, (training, momentum) in zip(nodes, saved):
-        _set_batchnorm_args([node], graph, recompile=False, training=training, momentum=momentum)
-    graph.recompile()
+from stages.shared.training import DeviceSums, Parts, lr_schedule, train_step
 
 
 def switch_off_stochastic_depth(model) -> list[str]:
@@ -133,7 +81,6 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
     """The prepared QAT graph after fine-tuning (best validation epoch), and its history."""
     import torch
 
-    from stages.train import DeviceSums, Parts, _lr_lambda, train_step
 
     quantize_pt2e, _ = torch_runtime._pt2e()
     from torchao.quantization.pt2e import (
@@ -164,7 +111,7 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
     optimizer = torch.optim.SGD(prepared.parameters(), lr=config.lr, momentum=0.9,
                                 weight_decay=5e-4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, _lr_lambda(config.epochs * len(loader), 0))
+        optimizer, lr_schedule(config.epochs * len(loader), 0))
     precision = _precision(config, run, device)
     parts = Parts(prepared, prepared, optimizer, scheduler, grad_scaler(precision, device),
                   torch.nn.CrossEntropyLoss(), sampler, loader, [])
@@ -175,7 +122,7 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
         if epoch > config.freeze_observers_after:
             prepared.apply(disable_observer)
         if epoch > config.freeze_bn_after:
-            freeze_batchnorm(prepared)
+            batchnorm.freeze_graph(prepared)
         sampler.set_epoch(epoch)
         sums = DeviceSums(device)
         for images, labels in progress(loader, desc=f"qat {epoch}/{config.epochs}",
@@ -187,7 +134,7 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
             raise PipelineError(f"qat: the loss became NaN or infinite at epoch {epoch}; lower "
                                 "--lr or use --precision fp32")
         if epoch <= config.freeze_bn_after:  # the statistics it will be frozen with
-            recompute_batchnorm(prepared, splits.calibration, config.batch_size, device)
+            batchnorm.recompute_graph(prepared, splits.calibration, config.batch_size, device)
         move_exported_model_to_eval(prepared)
         # Observers left on would fit the quantization ranges to the validation images while
         # scoring them: ranges come from training images only.

@@ -19,10 +19,10 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from stages.shared import distributed, signals
+from stages.shared import batchnorm, distributed, signals
 from stages.shared.artifacts import (
     Run,
     atomic_torch_save,
@@ -39,7 +39,7 @@ from stages.shared.checkpoints import (
     rng_state,
     weights_digest,
 )
-from stages.shared.data import DataSplits, EpochSampler, expected_shape, load_splits, make_loader
+from stages.shared.data import DataSplits, expected_shape, load_splits, make_loader
 from stages.shared.errors import PipelineError
 from stages.shared.evaluate import dataset_accuracy
 from stages.shared.machine import isa
@@ -48,15 +48,13 @@ from stages.shared.models import build_model, check_model_fits, model_spec
 from stages.shared.precision import (
     Precision,
     auto_precision_note,
-    autocast,
     cap_isa_for_bf16_training,
-    grad_scaler,
     resolve_device,
     resolve_precision,
-    seed_everything,
     set_deterministic,
 )
 from stages.shared.progress import progress, say
+from stages.shared.training import DeviceSums, Parts, build_parts, train_step
 from stages.shared.weights import initial_weights
 
 LOG_EVERY_CUDA = 50
@@ -84,129 +82,6 @@ class TrainResult:
     isa: dict | None = None
     val_at_chance: bool = False
     skipped_images: int = 0
-
-
-def _lr_lambda(total_steps: int, warmup_steps: int):
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        done = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, done)))
-
-    return factor
-
-
-@dataclass
-class Parts:
-    """What one model's training is made of; built the same way for a run and for the
-    memory probe."""
-
-    model: object
-    trained: object  # the model, or its DistributedDataParallel wrapper
-    optimizer: object
-    scheduler: object
-    scaler: object
-    criterion: object
-    sampler: EpochSampler
-    loader: object
-    notes: list[str]  # what loading --init-weights/--weights adapted
-
-
-def build_parts(config, splits: DataSplits, precision: Precision, device) -> Parts:
-    import torch
-
-    world = distributed.current()
-    seed_everything(config.seed)
-    model = build_model(config.model, splits.num_classes, splits.in_channels, splits.image_size)
-    notes = initial_weights(config, model)
-    model = model.to(device)
-    if device.type == "cuda":
-        model = model.to(memory_format=torch.channels_last)
-    trained = model
-    if world.active:
-        trained = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
-    sampler = EpochSampler(len(splits.train), config.seed, world.rank, world.world_size)
-    loader = make_loader(splits.train, config.batch_size, sampler, config.workers,
-                         pin_memory=device.type == "cuda",
-                         timeout=getattr(config, "loader_timeout", 0) if config.workers else 0)
-    # Fused SGD lets GradScaler skip a step on the GPU without asking the host first.
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9, nesterov=True,
-                                weight_decay=config.weight_decay,
-                                fused=True if device.type == "cuda" else None)
-    total_steps = config.epochs * len(loader)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, _lr_lambda(total_steps, min(len(loader), max(total_steps // 10, 1))))
-    criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
-    return Parts(model, trained, optimizer, scheduler, grad_scaler(precision, device), criterion,
-                 sampler, loader, notes)
-
-
-class DeviceSums:
-    """Running sums of one epoch and the health of the steps, kept as tensors on the device."""
-
-    def __init__(self, device, in_a_row=None) -> None:
-        import torch
-
-        zero = lambda dtype=torch.float64: torch.zeros((), dtype=dtype, device=device)  # noqa
-        self.loss, self.correct, self.seen = zero(), zero(torch.int64), zero(torch.int64)
-        # Skips in a row carry over from the previous sums: a run of them may span a check.
-        self.skipped = zero(torch.int64)
-        self.in_a_row = zero(torch.int64) if in_a_row is None else in_a_row
-        self.longest_run = self.in_a_row.clone()
-        self.first_bad = torch.full((), -1, dtype=torch.int64, device=device)
-
-    def add(self, loss, logits, labels, global_step: int, skipped) -> None:
-        import torch
-
-        loss = loss.detach()
-        bad = ~torch.isfinite(loss)
-        self.first_bad = torch.where(bad & (self.first_bad < 0), global_step, self.first_bad)
-        self.loss += torch.where(bad, 0.0, loss.double()) * len(labels)
-        self.correct += (logits.detach().argmax(1) == labels).sum()
-        self.seen += len(labels)
-        if skipped is not None:
-            self.skipped += skipped
-            self.in_a_row = (self.in_a_row + 1) * skipped
-            self.longest_run = torch.maximum(self.longest_run, self.in_a_row)
-
-    def read(self) -> dict:
-        """The host's view, once: one transfer of a few numbers, summed over ranks."""
-        import torch
-
-        values = torch.stack([self.loss, self.correct.double(), self.seen.double(),
-                              self.skipped.double(), self.longest_run.double(),
-                              self.first_bad.double()])
-        loss, correct, seen, skipped, longest, first_bad = distributed.reduce_health(values)
-        return {"loss": loss, "correct": int(correct), "seen": int(seen),
-                "skipped": int(skipped), "longest_run": int(longest), "first_bad": int(first_bad)}
-
-
-def train_step(parts: Parts, precision: Precision, device, config, images, labels, sums,
-               global_step: int) -> None:
-    import torch
-
-    images = images.to(device, non_blocking=True)
-    labels = labels.to(device, non_blocking=True)
-    if device.type == "cuda":
-        images = images.contiguous(memory_format=torch.channels_last)
-    with autocast(precision, device):
-        logits = parts.trained(images)
-    loss = parts.criterion(logits.float(), labels)
-    parts.optimizer.zero_grad(set_to_none=True)
-    scaler = parts.scaler
-    scaler.scale(loss).backward()
-    if config.grad_clip:
-        scaler.unscale_(parts.optimizer)  # clip the true gradients, not the scaled ones
-        torch.nn.utils.clip_grad_norm_(parts.model.parameters(), config.grad_clip)
-    # The scale as a device tensor (no host sync, unlike get_scale()): it backs off exactly
-    # when GradScaler found inf/NaN gradients and skipped the step.
-    before = scaler._get_scale_async().clone() if scaler.is_enabled() else None
-    scaler.step(parts.optimizer)
-    scaler.update()
-    skipped = None if before is None else (scaler._get_scale_async() < before).long()
-    parts.scheduler.step()
-    sums.add(loss, logits, labels, global_step, skipped)
 
 
 def _stop_workers(data_iterator) -> None:
@@ -256,43 +131,6 @@ def _nan_message(variant: str, precision: Precision, device, epoch: int, step: i
     return f"{where}; lower --lr, add --grad-clip 1, or try --precision fp32"
 
 
-BATCHNORM_BATCHES = 100  # at most this many training batches recompute BatchNorm statistics
-
-
-def recompute_batchnorm(model, dataset, batch_size: int, device) -> None:
-    """Set every BatchNorm's running statistics to the plain average over (up to 100 batches
-    of) the unaugmented training images, before the model is evaluated.
-
-    Running averages with a small momentum need many steps to forget their initial values:
-    torchvision's MobileNetV3 uses 0.01, and after 210 steps (10 epochs of the digits) 12% of
-    the initial variance of 1 was left against true variances of 1e-4 to 0.04, so evaluation
-    collapsed to one class (9.72% validation accuracy) while training reached 99%. Only the
-    BatchNorm layers change mode: dropout stays off and draws no random numbers, so a resumed
-    run stays bit-identical."""
-    import torch
-    from torch import nn
-
-    layers = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-              and m.track_running_stats]
-    if not layers:
-        return
-    was_training = model.training
-    model.eval()
-    momenta = [layer.momentum for layer in layers]
-    for layer in layers:
-        layer.reset_running_stats()
-        layer.momentum = None  # a cumulative average over the batches below
-        layer.train()
-    with torch.no_grad():
-        for i, (images, _) in enumerate(make_loader(dataset, batch_size)):
-            if i == BATCHNORM_BATCHES:
-                break
-            model(images.to(device))
-    for layer, momentum in zip(layers, momenta):
-        layer.momentum = momentum
-    model.train(was_training)
-
-
 def _at_chance(train_accuracy: float, val_accuracy: float, chance: float, val_size: int) -> bool:
     """Learning the training split while validation stays near chance (the share of the
     largest class): a model that does not generalise, never one worth quantizing."""
@@ -308,188 +146,258 @@ def _chance(dataset) -> float:
     return float(torch.bincount(labels).max()) / len(labels) if len(labels) else 0.0
 
 
-def train_variant(variant: str, precision: Precision, splits: DataSplits, config, run: Run,
-                  device, resume: bool = False, baseline_finite: bool = False) -> TrainResult:
-    """Train one model (or continue it) and write checkpoints, metrics.jsonl and model.pt."""
-    import torch
+@dataclass
+class Loop:
+    """One model's training: what it is made of, and everything a checkpoint saves and a resume
+    restores (position, running sums, totals, history)."""
 
+    variant: str
+    precision: Precision
+    splits: DataSplits
+    config: object
+    run: Run
+    device: object
+    parts: Parts
+    folder: Path
+    spec: dict
+    checkpointer: Checkpointer
+    baseline_finite: bool
+    pos: dict = field(default_factory=lambda: {"epoch": 1, "step_in_epoch": 0,
+                                               "global_step": 0})
+    sums: dict = field(default_factory=lambda: {"loss": 0.0, "correct": 0, "seen": 0})
+    totals: dict = field(default_factory=lambda: {"skipped": 0, "seconds": 0.0, "samples": 0,
+                                                  "best_val": -1.0, "best_epoch": 0})
+    history: list = field(default_factory=list)
+    best: dict | None = None  # weights of the epoch with the best validation accuracy
+    resumed_from: str | None = None
+    in_a_row: object = None  # GradScaler's skips in a row, carried across epochs
+
+    @property
+    def quiet(self) -> bool:
+        return self.config.quiet or not distributed.current().is_main
+
+    def state(self) -> dict:
+        return {"model": self.parts.model.state_dict(),
+                "optimizer": self.parts.optimizer.state_dict(),
+                "scheduler": self.parts.scheduler.state_dict(),
+                "scaler": self.parts.scaler.state_dict(), "position": dict(self.pos),
+                "sums": dict(self.sums), "totals": dict(self.totals),
+                "history": list(self.history), "rng": rng_state(), "variant": self.variant,
+                "precision": self.precision.name, "model_spec": self.spec,
+                "config": asdict(self.config)}
+
+    def check(self, device_sums: DeviceSums, epoch: int, epoch_start: int) -> dict:
+        """Fold the device's sums into the host's; stop on a NaN loss or too many skips."""
+        seen = device_sums.read()
+        if seen["first_bad"] >= 0:
+            raise PipelineError(_nan_message(self.variant, self.precision, self.device, epoch,
+                                             seen["first_bad"] - epoch_start + 1, self.folder,
+                                             self.baseline_finite))
+        if seen["longest_run"] > self.config.max_skipped_steps:
+            raise PipelineError(
+                f"{self.variant}: GradScaler skipped {seen['longest_run']} optimizer steps in a "
+                f"row (inf/NaN gradients) up to epoch {epoch} step {self.pos['step_in_epoch']}; "
+                "lower --lr, add --grad-clip or use --precision bf16")
+        return seen
+
+
+def _start(variant: str, precision: Precision, splits: DataSplits, config, run: Run, device,
+           resume: bool, baseline_finite: bool) -> Loop:
+    """Build the model and its training parts; with ``resume``, restore the newest good
+    checkpoint."""
     world = distributed.current()
     folder = run.root / "train" / variant
     if world.is_main:
         folder.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(folder)
-    spec = model_spec(config.model, splits.num_classes, splits.in_channels, splits.image_size)
-    parts = build_parts(config, splits, precision, device)
-    model, loader = parts.model, parts.loader
-    for note in parts.notes:
-        say(f"{variant}: initial weights: {note}", quiet=config.quiet or not world.is_main)
-    steps_per_epoch = len(loader)
-    checkpointer = Checkpointer(run, variant, folder, config.keep_checkpoints, asdict(config))
-    chance = _chance(splits.val)
+    loop = Loop(variant, precision, splits, config, run, device,
+                build_parts(config, splits, precision, device), folder,
+                model_spec(config.model, splits.num_classes, splits.in_channels,
+                           splits.image_size),
+                Checkpointer(run, variant, folder, config.keep_checkpoints, asdict(config)),
+                baseline_finite)
+    for note in loop.parts.notes:
+        say(f"{variant}: initial weights: {note}", quiet=loop.quiet)
+    found = newest_good_checkpoint(run, variant) if resume else None
+    if found:
+        loop.resumed_from, state = found
+        loop.parts.model.load_state_dict(state["model"])
+        loop.parts.optimizer.load_state_dict(state["optimizer"])
+        loop.parts.scheduler.load_state_dict(state["scheduler"])
+        loop.parts.scaler.load_state_dict(state["scaler"])
+        loop.pos, loop.sums = state["position"], state["sums"]
+        loop.totals |= state["totals"]
+        loop.history = state["history"]
+        loop.best = best_weights(run, variant)
+        restore_rng(state["rng"])
+        say(f"{variant}: resuming from {loop.resumed_from} (epoch {loop.pos['epoch']}, step "
+            f"{loop.pos['step_in_epoch']}/{len(loop.parts.loader)})", quiet=not world.is_main)
+    return loop
+
+
+def _train_epoch(loop: Loop, epoch: int) -> dict:
+    """The optimizer steps of one epoch (from where a resume left off), with the checkpoints
+    --checkpoint-every asks for inside it; returns the epoch's sums read from the device."""
+    parts, pos, config, device = loop.parts, loop.pos, loop.config, loop.device
+    steps_per_epoch = len(parts.loader)
     check_every = 1 if device.type == "cpu" else LOG_EVERY_CUDA
-
-    # Everything below is saved in each checkpoint and restored on resume.
-    pos = {"epoch": 1, "step_in_epoch": 0, "global_step": 0}
-    sums = {"loss": 0.0, "correct": 0, "seen": 0}
-    totals = {"skipped": 0, "seconds": 0.0, "samples": 0, "best_val": -1.0, "best_epoch": 0}
-    history: list[dict] = []
-    resumed_from, best = None, None
-    if resume:
-        found = newest_good_checkpoint(run, variant)
-        if found:
-            resumed_from, state = found
-            model.load_state_dict(state["model"])
-            parts.optimizer.load_state_dict(state["optimizer"])
-            parts.scheduler.load_state_dict(state["scheduler"])
-            parts.scaler.load_state_dict(state["scaler"])
-            pos, sums, totals = state["position"], state["sums"], totals | state["totals"]
-            history = state["history"]
-            best = best_weights(run, variant)
-            restore_rng(state["rng"])
-            say(f"{variant}: resuming from {resumed_from} (epoch {pos['epoch']}, step "
-                f"{pos['step_in_epoch']}/{steps_per_epoch})", quiet=not world.is_main)
-
-    def state_now() -> dict:
-        return {"model": model.state_dict(), "optimizer": parts.optimizer.state_dict(),
-                "scheduler": parts.scheduler.state_dict(), "scaler": parts.scaler.state_dict(),
-                "position": dict(pos), "sums": dict(sums), "totals": dict(totals),
-                "history": list(history), "rng": rng_state(), "variant": variant,
-                "precision": precision.name, "model_spec": spec, "config": asdict(config)}
-
-    def check(device_sums: DeviceSums, epoch: int, epoch_start: int) -> dict:
-        """Fold the device's sums into the host's; stop on a NaN loss or too many skips."""
-        seen = device_sums.read()
-        if seen["first_bad"] >= 0:
-            raise PipelineError(_nan_message(variant, precision, device, epoch,
-                                             seen["first_bad"] - epoch_start + 1, folder,
-                                             baseline_finite))
-        if seen["longest_run"] > config.max_skipped_steps:
-            raise PipelineError(
-                f"{variant}: GradScaler skipped {seen['longest_run']} optimizer steps in a row "
-                f"(inf/NaN gradients) up to epoch {epoch} step {pos['step_in_epoch']}; lower "
-                "--lr, add --grad-clip or use --precision bf16")
-        return seen
-
-    in_a_row = None
-    memory = PeakMemory(device) if device.type == "cuda" else contextlib.nullcontext()
-    with memory:
-        while pos["epoch"] <= config.epochs:
-            epoch = pos["epoch"]
-            if pos["step_in_epoch"] >= steps_per_epoch:  # resumed at an epoch boundary
-                pos.update(epoch=epoch + 1, step_in_epoch=0)
+    parts.trained.train()
+    parts.sampler.set_epoch(epoch, start=pos["step_in_epoch"] * config.batch_size)
+    data_iterator = iter(parts.loader)
+    bar = progress(data_iterator, desc=f"{loop.variant} {epoch}/{config.epochs}",
+                   quiet=loop.quiet, total=steps_per_epoch)
+    device_sums = DeviceSums(device, loop.in_a_row)
+    epoch_start = pos["global_step"] - pos["step_in_epoch"]
+    started = time.perf_counter()
+    with _worker_failures(loop.variant, epoch, pos, loop.folder, data_iterator):
+        for images, labels in bar:
+            train_step(parts, loop.precision, device, config, images, labels, device_sums,
+                       pos["global_step"])
+            pos["step_in_epoch"] += 1
+            pos["global_step"] += 1
+            every = config.checkpoint_every
+            checkpoint_now = (every and pos["global_step"] % every == 0
+                              and pos["step_in_epoch"] < steps_per_epoch)
+            if pos["step_in_epoch"] % check_every and not checkpoint_now:
                 continue
-            parts.trained.train()
-            parts.sampler.set_epoch(epoch, start=pos["step_in_epoch"] * config.batch_size)
-            data_iterator = iter(loader)
-            bar = progress(data_iterator, desc=f"{variant} {epoch}/{config.epochs}",
-                           quiet=config.quiet or not world.is_main, total=len(loader))
-            device_sums = DeviceSums(device, in_a_row)
-            epoch_start = pos["global_step"] - pos["step_in_epoch"]
-            started = time.perf_counter()
-            with _worker_failures(variant, epoch, pos, folder, data_iterator):
-                for images, labels in bar:
-                    train_step(parts, precision, device, config, images, labels, device_sums,
-                               pos["global_step"])
-                    pos["step_in_epoch"] += 1
-                    pos["global_step"] += 1
-                    every = config.checkpoint_every
-                    checkpoint_now = (every and pos["global_step"] % every == 0
-                                      and pos["step_in_epoch"] < steps_per_epoch)
-                    if pos["step_in_epoch"] % check_every and not checkpoint_now:
-                        continue
-                    seen = check(device_sums, epoch, epoch_start)
-                    shown = {k: sums[k] + seen[k] for k in ("loss", "correct", "seen")}
-                    if hasattr(bar, "set_postfix") and shown["seen"]:
-                        bar.set_postfix(loss=f"{shown['loss'] / shown['seen']:.3f}",
-                                        acc=f"{shown['correct'] / shown['seen']:.3f}",
-                                        refresh=False)
-                    if checkpoint_now:
-                        # A checkpoint holds host numbers: fold the device's sums in first.
-                        totals["seconds"] += time.perf_counter() - started
-                        totals["skipped"] += seen["skipped"]
-                        sums = shown
-                        device_sums = DeviceSums(device, device_sums.in_a_row)
-                        distributed.sync_buffers(model)
-                        if world.is_main:
-                            checkpointer.save(state_now(), best=False)
-                        started = time.perf_counter()
-            seen = check(device_sums, epoch, epoch_start)
-            in_a_row = device_sums.in_a_row
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            totals["seconds"] += time.perf_counter() - started
-            totals["skipped"] += seen["skipped"]
-            loss_sum, correct, count = (sums[k] + seen[k] for k in ("loss", "correct", "seen"))
-            totals["samples"] += count
-            recompute_batchnorm(model, splits.calibration, config.batch_size, device)
-            distributed.sync_buffers(model)
-            val_acc = dataset_accuracy(model, splits.val, device)
-            record = {"epoch": epoch, "loss": loss_sum / count, "train_accuracy": correct / count,
-                      "val_accuracy": val_acc, "lr": parts.scheduler.get_last_lr()[0],
-                      "seconds": totals["seconds"], "samples_per_second":
-                      totals["samples"] / totals["seconds"], "skipped_steps": totals["skipped"],
-                      "skipped_images": splits.skipped_images}
-            history.append(record)
-            improved = val_acc > totals["best_val"]
-            if improved:
-                totals.update(best_val=val_acc, best_epoch=epoch)
-                best = cpu_state_dict(model, clone=True)
-            sums = {"loss": 0.0, "correct": 0, "seen": 0}
-            if world.is_main:
-                atomic_write_text(folder / "metrics.jsonl",
-                                  "".join(json.dumps(h) + "\n" for h in history))
-                checkpointer.save(state_now(), best=improved)
-            say(f"{variant} epoch {epoch}/{config.epochs}: loss {record['loss']:.4f} "
-                f"train acc {record['train_accuracy']:.3f} val acc {val_acc:.3f}",
-                quiet=config.quiet or not world.is_main)
-            if _at_chance(record["train_accuracy"], val_acc, chance, len(splits.val)):
-                say(f"WARNING: {variant} learns the training images "
-                    f"({record['train_accuracy']:.1%}) but its validation accuracy is at chance "
-                    f"({val_acc:.1%}): it does not generalise to held-out images; check the "
-                    "data (labels, a train/validation mix-up) and any layer that behaves "
-                    "differently in evaluation", quiet=not world.is_main)
-            pos.update(epoch=epoch + 1, step_in_epoch=0)
+            seen = loop.check(device_sums, epoch, epoch_start)
+            shown = {k: loop.sums[k] + seen[k] for k in ("loss", "correct", "seen")}
+            if hasattr(bar, "set_postfix") and shown["seen"]:
+                bar.set_postfix(loss=f"{shown['loss'] / shown['seen']:.3f}",
+                                acc=f"{shown['correct'] / shown['seen']:.3f}", refresh=False)
+            if checkpoint_now:
+                # A checkpoint holds host numbers: fold the device's sums in first.
+                loop.totals["seconds"] += time.perf_counter() - started
+                loop.totals["skipped"] += seen["skipped"]
+                loop.sums = shown
+                device_sums = DeviceSums(device, device_sums.in_a_row)
+                distributed.sync_buffers(parts.model)
+                if distributed.current().is_main:
+                    loop.checkpointer.save(loop.state(), best=False)
+                started = time.perf_counter()
+    seen = loop.check(device_sums, epoch, epoch_start)
+    loop.in_a_row = device_sums.in_a_row
+    if device.type == "cuda":
+        import torch
 
-    if best is not None:  # every later stage starts from the epoch chosen on validation
-        model.load_state_dict(best)
+        torch.cuda.synchronize(device)
+    loop.totals["seconds"] += time.perf_counter() - started
+    loop.totals["skipped"] += seen["skipped"]
+    return seen
+
+
+def _end_epoch(loop: Loop, epoch: int, seen: dict, chance: float) -> None:
+    """Recompute BatchNorm statistics, score the validation split, keep the best weights,
+    write the metrics and the epoch's checkpoint."""
+    model, splits, config = loop.parts.model, loop.splits, loop.config
+    loss_sum, correct, count = (loop.sums[k] + seen[k] for k in ("loss", "correct", "seen"))
+    loop.totals["samples"] += count
+    batchnorm.recompute_module(model, splits.calibration, config.batch_size, loop.device)
+    distributed.sync_buffers(model)
+    val_acc = dataset_accuracy(model, splits.val, loop.device)
+    record = {"epoch": epoch, "loss": loss_sum / count, "train_accuracy": correct / count,
+              "val_accuracy": val_acc, "lr": loop.parts.scheduler.get_last_lr()[0],
+              "seconds": loop.totals["seconds"],
+              "samples_per_second": loop.totals["samples"] / loop.totals["seconds"],
+              "skipped_steps": loop.totals["skipped"], "skipped_images": splits.skipped_images}
+    loop.history.append(record)
+    improved = val_acc > loop.totals["best_val"]
+    if improved:
+        loop.totals.update(best_val=val_acc, best_epoch=epoch)
+        loop.best = cpu_state_dict(model, clone=True)
+    loop.sums = {"loss": 0.0, "correct": 0, "seen": 0}
+    if distributed.current().is_main:
+        atomic_write_text(loop.folder / "metrics.jsonl",
+                          "".join(json.dumps(h) + "\n" for h in loop.history))
+        loop.checkpointer.save(loop.state(), best=improved)
+    say(f"{loop.variant} epoch {epoch}/{config.epochs}: loss {record['loss']:.4f} "
+        f"train acc {record['train_accuracy']:.3f} val acc {val_acc:.3f}", quiet=loop.quiet)
+    if _at_chance(record["train_accuracy"], val_acc, chance, len(splits.val)):
+        say(f"WARNING: {loop.variant} learns the training images "
+            f"({record['train_accuracy']:.1%}) but its validation accuracy is at chance "
+            f"({val_acc:.1%}): it does not generalise to held-out images; check the data "
+            "(labels, a train/validation mix-up) and any layer that behaves differently in "
+            "evaluation", quiet=not distributed.current().is_main)
+
+
+def _finish(loop: Loop, memory, chance: float) -> TrainResult:
+    """Restore the epoch chosen on validation, check that every rank holds the same weights,
+    score the test split, and (rank 0) write model.pt and list it."""
+    world = distributed.current()
+    model, splits, config, totals = loop.parts.model, loop.splits, loop.config, loop.totals
+    if loop.best is not None:  # every later stage starts from the epoch chosen on validation
+        model.load_state_dict(loop.best)
     digests = distributed.all_gather(weights_digest(model.state_dict()))
     if len(set(digests)) != 1:
-        raise PipelineError(f"{variant}: ranks ended with different weights; please report this")
-    test_acc = dataset_accuracy(model, splits.test, device)
-    last = history[-1] if history else {"loss": float("nan"), "train_accuracy": 0.0}
-    best_record = next((h for h in history if h["epoch"] == totals["best_epoch"]), last)
+        raise PipelineError(f"{loop.variant}: ranks ended with different weights; please "
+                            "report this")
+    last = loop.history[-1] if loop.history else {"loss": float("nan"), "train_accuracy": 0.0}
+    best_record = next((h for h in loop.history if h["epoch"] == totals["best_epoch"]), last)
+    on_cuda = loop.device.type == "cuda"
     result = TrainResult(
-        variant=variant, precision=precision.name, device=str(device),
+        variant=loop.variant, precision=loop.precision.name, device=str(loop.device),
         world_size=world.world_size, seconds=totals["seconds"],
         samples_per_second=totals["samples"] / totals["seconds"] if totals["seconds"] else 0.0,
-        peak_memory_bytes=int(memory.peak) if device.type == "cuda" else 0,
-        peak_memory_method=memory.method if device.type == "cuda" else "",
-        test_accuracy=test_acc, val_accuracy=totals["best_val"], best_epoch=totals["best_epoch"],
-        skipped_steps=totals["skipped"], optimizer_steps=pos["global_step"] - totals["skipped"],
-        final_loss=last["loss"], epochs=config.epochs, resumed_from=resumed_from,
-        isa=isa() if device.type == "cpu" else None,
+        peak_memory_bytes=int(memory.peak) if on_cuda else 0,
+        peak_memory_method=memory.method if on_cuda else "",
+        test_accuracy=dataset_accuracy(model, splits.test, loop.device),
+        val_accuracy=totals["best_val"], best_epoch=totals["best_epoch"],
+        skipped_steps=totals["skipped"],
+        optimizer_steps=loop.pos["global_step"] - totals["skipped"], final_loss=last["loss"],
+        epochs=config.epochs, resumed_from=loop.resumed_from,
+        isa=isa() if not on_cuda else None,
         val_at_chance=_at_chance(best_record.get("train_accuracy", 0.0), totals["best_val"],
                                  chance, len(splits.val)),
         skipped_images=splits.skipped_images)
-    if world.is_main:
-        if device.type == "cpu" and getattr(config, "measure_memory", True):
-            result.peak_memory_bytes, result.peak_memory_method = peak_memory_in_fresh_process(
-                config, precision)
-        elif device.type == "cpu":
-            result.peak_memory_method = "not measured (--no-measure-memory)"
-        atomic_torch_save({"model_spec": spec, "state_dict": cpu_state_dict(model)},
-                          folder / "model.pt")
-        run.register(f"{variant}/metrics", folder / "metrics.jsonl", kind="metrics",
-                     stage="train", parent=variant)
-        run.register(variant, folder / "model.pt", kind="model", stage="train",
-                     config=asdict(config), format="pytorch", model_spec=spec,
-                     chosen=f"epoch {totals['best_epoch']}, best validation accuracy",
-                     initial_weights={"file": getattr(config, "init_weights", None),
-                                      "torchvision": getattr(config, "weights", None),
-                                      "adapted": parts.notes},
-                     training=asdict(result) | {"weights_sha256_all_ranks": digests[0]},
-                     checkpoint_bytes=run.entry(f"{variant}/checkpoint-last")["bytes"])
+    if not world.is_main:
+        return result
+    if not on_cuda and getattr(config, "measure_memory", True):
+        result.peak_memory_bytes, result.peak_memory_method = peak_memory_in_fresh_process(
+            config, loop.precision)
+    elif not on_cuda:
+        result.peak_memory_method = "not measured (--no-measure-memory)"
+    atomic_torch_save({"model_spec": loop.spec, "state_dict": cpu_state_dict(model)},
+                      loop.folder / "model.pt")
+    run = loop.run
+    run.register(f"{loop.variant}/metrics", loop.folder / "metrics.jsonl", kind="metrics",
+                 stage="train", parent=loop.variant)
+    run.register(loop.variant, loop.folder / "model.pt", kind="model", stage="train",
+                 config=asdict(config), format="pytorch", model_spec=loop.spec,
+                 chosen=f"epoch {totals['best_epoch']}, best validation accuracy",
+                 initial_weights={"file": getattr(config, "init_weights", None),
+                                  "torchvision": getattr(config, "weights", None),
+                                  "adapted": loop.parts.notes},
+                 training=asdict(result) | {"weights_sha256_all_ranks": digests[0]},
+                 checkpoint_bytes=run.entry(f"{loop.variant}/checkpoint-last")["bytes"])
     return result
+
+
+def train_variant(variant: str, precision: Precision, splits: DataSplits, config, run: Run,
+                  device, resume: bool = False, baseline_finite: bool = False) -> TrainResult:
+    """Train one model (or continue it) and write checkpoints, metrics.jsonl and model.pt."""
+    loop = _start(variant, precision, splits, config, run, device, resume, baseline_finite)
+    chance = _chance(splits.val)
+    steps_per_epoch = len(loop.parts.loader)
+    memory = PeakMemory(device) if device.type == "cuda" else contextlib.nullcontext()
+    with memory:
+        while loop.pos["epoch"] <= config.epochs:
+            epoch = loop.pos["epoch"]
+            if loop.pos["step_in_epoch"] < steps_per_epoch:  # not resumed at its very end
+                seen = _train_epoch(loop, epoch)
+                _end_epoch(loop, epoch, seen, chance)
+            loop.pos.update(epoch=epoch + 1, step_in_epoch=0)
+    return _finish(loop, memory, chance)
+
+
+def preflight(config) -> None:
+    """What can be refused before a run exists: a model that does not import or cannot take
+    the data at this size, and starting weights that are not weights or do not fit."""
+    device = resolve_device(config.device)
+    classes, channels, held = expected_shape(config)
+    check_model_fits(config.model, classes, channels, config.image_size, config.batch_size,
+                     device, held)
+    if config.init_weights or config.weights:
+        initial_weights(config, build_model(config.model, classes, channels, config.image_size))
 
 
 def run(config, run: Run, resume: bool = False) -> list[TrainResult]:

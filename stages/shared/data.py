@@ -272,8 +272,14 @@ IN_MEMORY_IMAGES = {"digits": 1797}
 
 
 def expected_shape(config) -> tuple[int, int, int]:
-    """(classes, channels, bytes held in memory) a training config's data will have."""
+    """(classes, channels, bytes held in memory) a training config's data will have; an image
+    folder's classes are its class subfolders (of train/ where it has one)."""
     classes, channels = SHAPES[config.dataset]
+    if config.dataset == "imagefolder":
+        root = Path(getattr(config, "data_dir", "data")).expanduser()
+        root = root / "train" if (root / "train").is_dir() else root
+        if root.is_dir():
+            classes = sum(1 for p in root.iterdir() if p.is_dir()) or classes
     channels = getattr(config, "in_channels", None) or channels
     held = IN_MEMORY_IMAGES.get(config.dataset, 0) * channels * config.image_size ** 2 * 4
     return classes, channels, held

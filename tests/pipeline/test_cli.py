@@ -149,3 +149,38 @@ def test_compare_and_the_speedup_gate(cheap_run):
     assert floor.exit_code == 1
     assert (f"as fast as the fastest float variant, {verdict['per_batch_size']['32']['best_float']}"
             f", at batch 32, under --fail-under-float-speedup 1000") in floor.stderr
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("ran",))
+
+
+@pytest.mark.parametrize("args, line", [
+    (["import", "--model", "smallcnn", "--weights", "/etc/passwd"],
+     "/etc/passwd is not a PyTorch weights file (neither torch.save's zip archive nor a pickle); "
+     "give a state_dict or checkpoint saved with torch.save"),
+    (["train", "--model", "nonexistent.module:factory"],
+     "--model nonexistent.module:factory: cannot import it (ModuleNotFoundError: No module named "
+     "'nonexistent')"),
+    (["import", "--model", "smallcnn", "--weights", "{code}"],
+     "{code} was refused: loading it would run code from the file (it names print, not only "
+     "tensors); save the weights alone (torch.save(model.state_dict(), path)) and give that "
+     "file"),
+    (["train", "--model", "smallcnn", "--init-weights", "{code}"],
+     "{code} was refused: loading it would run code from the file (it names print"),
+])
+def test_input_a_new_run_cannot_use_is_refused_before_the_run_exists(tmp_path, args, line):
+    """No run folder is made and `latest` stays where it was, so the next stage does not land
+    on a run whose first stage failed on its input."""
+    import torch
+
+    code = tmp_path / "code.pt"
+    torch.save({"state_dict": _RunsCode()}, code)
+    (tmp_path / "latest").write_text("before\n")
+    result = invoke("--artifacts-dir", str(tmp_path), *[a.format(code=code) for a in args])
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pipeline: error: " + line.format(code=code))
+    assert not (tmp_path / "runs").exists()
+    assert (tmp_path / "latest").read_text() == "before\n"

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from stages.shared import artifacts
 from stages.shared.checkpoints import weights_digest
 
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ["train", "--model", "smallcnn", "--image-size", "16", "--batch-size", "16", "--epochs",
          "2", "--no-baseline", "--checkpoint-every", "10", "--deterministic", "--no-measure-memory"]
 
@@ -106,41 +108,19 @@ def test_torchrun_two_cpu_ranks(tmp_path):
     assert run.manifest()["stages"]["report"]["status"] == "complete"
 
 
-FAILING_RANK = """
-import os
-import torch.nn as nn
-
-
-class Net(nn.Module):
-    def __init__(self, num_classes, in_channels):
-        super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(in_channels, 8, 3), nn.ReLU(),
-                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes))
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        if self.training and os.environ.get("RANK") == "1" and self.calls == 3:
-            raise RuntimeError("rank 1 fails on purpose")
-        return self.body(x)
-
-
-def net(num_classes, in_channels):
-    return Net(num_classes, in_channels)
-"""
 
 
 @pytest.mark.slow
 def test_when_one_rank_fails_every_rank_exits_non_zero_promptly(tmp_path):
-    (tmp_path / "failing.py").write_text(FAILING_RANK)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                "2", "-m", "pipeline", "--artifacts-dir", str(tmp_path / "artifacts"),
-               "--device", "cpu", "--quiet", "train", "--model", "failing:net",
+               "--device", "cpu", "--quiet", "train", "--model",
+               "tests.pipeline.failing_rank:net",
                "--image-size", "8", "--epochs", "1", "--no-baseline", "--no-measure-memory"]
-    env = os.environ | {"PIPELINE_RUN": "fails", "PYTHONPATH": str(tmp_path)}
+    env = os.environ | {"PIPELINE_RUN": "fails", "PYTHONPATH": str(ROOT)}
     started = time.monotonic()
     proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env,
-                          cwd=tmp_path)
+                          cwd=ROOT)
     assert proc.returncode != 0
     assert "rank 1 fails on purpose" in proc.stderr
     assert time.monotonic() - started < 120, proc.stderr[-2000:]

@@ -97,6 +97,7 @@ import torch
 from pipeline.config import TrainConfig
 from stages.shared import artifacts
 from stages import train
+from stages.shared.data import EpochSampler
 from stages.shared.errors import PipelineError
 from tests.conftest import TINY_TRAIN
 
@@ -116,7 +117,7 @@ class Faulty(torch.utils.data.Dataset):
 real_load = train.load_splits
 def faulty_splits(config):
     splits = real_load(config)
-    sampler = train.EpochSampler(len(splits.train), config.seed)
+    sampler = EpochSampler(len(splits.train), config.seed)
     sampler.set_epoch(1)
     order = list(sampler)
     splits.train = Faulty(splits.train, order[10 * 64 + 5], sys.argv[2])  # epoch 1, step 11

@@ -99,7 +99,9 @@ def test_a_code_carrying_checkpoint_is_refused_by_every_stage(fresh_tiny_run, tm
     proc = run_in(run, *stage_args)
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert "weights-only" in lines[-1] and lines[-1].startswith("pipeline: error:")
+    assert lines[-1].startswith("pipeline: error:") and lines[-1].endswith(
+        "was refused: loading it would run code from the file; save the weights alone "
+        "(torch.save(model.state_dict(), path)) and give that file")
     assert not marker.exists()
 
 

@@ -9,6 +9,7 @@ import torch
 from pipeline.config import QatConfig, TrainConfig
 from stages import qat
 from stages.runtimes import pytorch as torch_runtime
+from stages.shared import batchnorm
 from stages.shared.data import load_splits
 from stages.shared.errors import PipelineError
 from tests.conftest import TINY_TRAIN
@@ -39,7 +40,7 @@ def test_frozen_batchnorm_keeps_its_statistics_while_training_goes_on():
     step()
     moved = statistics()
     assert before and any(not torch.equal(before[k], moved[k]) for k in before)
-    qat.freeze_batchnorm(prepared)
+    batchnorm.freeze_graph(prepared)
     weights = copy.deepcopy([p.detach() for p in prepared.parameters()])
     step()
     step()
@@ -141,7 +142,7 @@ def test_batchnorm_statistics_of_the_qat_graph_are_recomputed_from_training_imag
     spec = {"model": "test", "num_classes": 10, "in_channels": 1, "image_size": 8}
     graph = torch_runtime.export_graph(copy.deepcopy(model), spec, train=True)
     splits = load_splits(TrainConfig(**TINY_TRAIN))
-    qat.recompute_batchnorm(graph, splits.calibration, 64, torch.device("cpu"))
+    batchnorm.recompute_graph(graph, splits.calibration, 64, torch.device("cpu"))
     running = {k: v.clone() for k, v in graph.state_dict().items() if "running" in k}
     assert len(running) == 2
 
@@ -157,7 +158,7 @@ def test_batchnorm_statistics_of_the_qat_graph_are_recomputed_from_training_imag
     torch.testing.assert_close(mean, expected[1].running_mean, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(var, expected[1].running_var, rtol=1e-4, atol=1e-5)
     # The graph's own arguments are restored: training mode, the model's momentum.
-    (node,) = [n for n in graph.graph.nodes if str(n.target) in qat.BATCH_NORM_OPS]
+    (node,) = [n for n in graph.graph.nodes if str(n.target) in batchnorm.GRAPH_OPS]
     assert node.args[5] is True and node.args[6] == 0.0003
     assert "True, 0.0003," in graph.code  # and in the code the graph runs
 

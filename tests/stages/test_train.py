@@ -5,7 +5,7 @@ import torch
 
 from pipeline.config import TrainConfig
 from stages import report, train
-from stages.shared import artifacts
+from stages.shared import artifacts, batchnorm
 from stages.shared.precision import Precision
 from tests.conftest import TINY_TRAIN
 
@@ -144,9 +144,9 @@ def test_batchnorm_statistics_are_recomputed_from_training_images():
             model(splits.calibration.tensors[0][:64])
     assert model[1].running_var.min() > 0.9  # still mostly the initial value
     rng = torch.get_rng_state()
-    train.recompute_batchnorm(model, splits.calibration, 64, torch.device("cpu"))
+    batchnorm.recompute_module(model, splits.calibration, 64, torch.device("cpu"))
     assert torch.equal(rng, torch.get_rng_state())  # dropout stayed off
-    images = splits.calibration.tensors[0][:64 * train.BATCHNORM_BATCHES]
+    images = splits.calibration.tensors[0][:64 * batchnorm.BATCHES]
     with torch.no_grad():
         conv = model[0](images)
     assert torch.allclose(model[1].running_mean, conv.mean(dim=(0, 2, 3)), atol=5e-3)

@@ -95,9 +95,26 @@ def test_load_checkpoint_refuses_code_in_a_pickle(tmp_path):
     path = tmp_path / "evil.pt"
     with open(path, "wb") as f:
         pickle.dump({"state_dict": Payload()}, f)
-    with pytest.raises(PipelineError, match="weights-only"):
+    with pytest.raises(PipelineError) as refused:
         artifacts.load_checkpoint(path)
+    assert str(refused.value) == (f"{path} was refused: loading it would run code from the file; "
+                                  "save the weights alone (torch.save(model.state_dict(), path)) "
+                                  "and give that file")
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"root:x:0:0:root:/root:/bin/bash\n", "is not a PyTorch weights file (neither torch.save's "
+                                            "zip archive nor a pickle)"),
+    (b"", "is empty: it is not a weights file"),
+    (b"PK\x03\x04" + b"\0" * 64, "cannot load"),
+])
+def test_a_file_that_is_not_weights_says_what_it_is_not(tmp_path, content, says):
+    path = tmp_path / "model.pt"
+    path.write_bytes(content)
+    with pytest.raises(PipelineError) as refused:
+        artifacts.load_checkpoint(path)
+    assert str(path) in str(refused.value) and says in str(refused.value)
 
 
 def test_runs_latest_pointer_and_errors_that_name_the_runs(tmp_path):
