@@ -10,18 +10,16 @@ the ONNX export of its QDQ graph holds; both are reported like every other varia
 from __future__ import annotations
 
 import copy
-import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
-from stages.quantize import QuantContext, float_source
 from stages.runtimes import onnx_export
 from stages.runtimes import pytorch as torch_runtime
+from stages.runtimes.context import QuantContext, context
 from stages.runtimes.onnxruntime import onnx_op_counts, ort_predict, ort_session
 from stages.shared import batchnorm
 from stages.shared.artifacts import Run
-from stages.shared.data import EpochSampler, make_loader, splits_of_run
+from stages.shared.data import EpochSampler, make_loader
 from stages.shared.errors import PipelineError
 from stages.shared.evaluate import PARITY_MIN_AGREEMENT, compare_logits, dataset_accuracy
 from stages.shared.precision import (
@@ -208,18 +206,9 @@ def export_qdq(ctx: QuantContext, graph) -> dict | None:
 
 def run(config, run: Run) -> list[str]:
     """Fine-tune, convert, save and check `torch-qat`, then export `ort-qat`."""
-    import torch
-
-    source = float_source(run)
-    spec = run.entry(source)["model_spec"]
-    splits = splits_of_run(run)
     device = resolve_device(config.device)
-    run.record_config("qat", asdict(config) | {"source": source})
-    folder = run.root / "quantize"
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".scratch-") as scratch:
-        ctx = QuantContext(run, config, splits, spec, folder, Path(scratch), source,
-                           torch.get_num_threads(), stage="qat")
+    with context(run, config, "qat") as ctx:
+        splits = ctx.splits
         prepared, record = fine_tune(config, run, ctx, device)
         quantize_pt2e, _ = torch_runtime._pt2e()
         converted = torch_runtime.plain_graph(quantize_pt2e.convert_pt2e(prepared))

@@ -22,9 +22,21 @@ from stages.shared.errors import PipelineError
 from stages.shared.evaluate import compare_logits, predict
 from stages.shared.machine import cpu_has_vnni
 
-QUANT_PLUMBING = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"}
-COMPUTE_OPS = {"Conv": "Conv", "ConvTranspose": "Conv", "MatMul": "Linear", "Gemm": "Linear"}
 ORT_TYPES = {"u8s8": ("QUInt8", "QInt8"), "s8s8": ("QInt8", "QInt8")}
+
+
+def _session_options(threads: int):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    # The pool's threads otherwise spin for tens of milliseconds after a run returns, taking
+    # the cores from whatever runs next (onnx-fp32 timed at 44.9 ms right after an ort-static
+    # call, 20.7 ms alone); they start again with the next run.
+    options.add_session_config_entry("session.force_spinning_stop", "1")
+    return options
 
 
 def ort_session(path: Path, threads: int, disabled_optimizers: tuple[str, ...] = ()):
@@ -38,14 +50,7 @@ def ort_session(path: Path, threads: int, disabled_optimizers: tuple[str, ...] =
     except Exception as exc:
         raise PipelineError(f"{path} is not a readable ONNX model: "
                             f"{str(exc).strip().splitlines()[0][:200]}") from exc
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    # The pool's threads otherwise spin for tens of milliseconds after a run returns, taking
-    # the cores from whatever runs next (onnx-fp32 timed at 44.9 ms right after an ort-static
-    # call, 20.7 ms alone); they start again with the next run.
-    options.add_session_config_entry("session.force_spinning_stop", "1")
+    options = _session_options(threads)
     try:
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"],
                                     disabled_optimizers=list(disabled_optimizers))
@@ -71,37 +76,40 @@ def ort_call(session, batch):
     return lambda: session.run(None, feed)
 
 
-def _base_type(op_type: str) -> str:
-    """QLinearConv, ConvInteger and Conv are all 'Conv'; QGemm is 'Gemm'."""
-    if op_type.startswith("QLinear"):
-        return op_type[len("QLinear"):]
-    if op_type.endswith("Integer"):
-        return op_type[: -len("Integer")]
-    return "Gemm" if op_type == "QGemm" else op_type
+# Op types of the graph ONNX Runtime runs, after its fusions (QDQ pairs around a Conv become one
+# QLinearConv, and so on), by kind and by whether the kernel computes in int8.
+RUN_OPS = {"QLinearConv": ("Conv", "int8"), "ConvInteger": ("Conv", "int8"),
+           "Conv": ("Conv", "float"), "FusedConv": ("Conv", "float"),
+           "ConvTranspose": ("Conv", "float"), "QGemm": ("Linear", "int8"),
+           "QLinearMatMul": ("Linear", "int8"), "MatMulInteger": ("Linear", "int8"),
+           "MatMulIntegerToFloat": ("Linear", "int8"), "DynamicQuantizeMatMul": ("Linear", "int8"),
+           "Gemm": ("Linear", "float"), "FusedGemm": ("Linear", "float"),
+           "MatMul": ("Linear", "float"), "FusedMatMul": ("Linear", "float")}
 
 
-def onnx_op_counts(path: Path) -> dict[str, dict[str, int]]:
-    """Conv and Linear (MatMul, Gemm) ops: int8 when they are integer kernels or, in a QDQ graph,
-    when input and weight both come from DequantizeLinear (ORT fuses those into int8)."""
+def onnx_op_counts(path: Path, config_entries: dict[str, str] | None = None) -> dict:
+    """Conv and Linear (MatMul, Gemm) ops in the graph ONNX Runtime runs: the session's own
+    optimized model (written with `optimized_model_filepath` at the level every session here
+    uses), so that a QDQ model ORT leaves unfused counts as the float model it runs as."""
+    import tempfile
+
     import onnx
+    import onnxruntime as ort
 
-    graph = onnx.load(str(path), load_external_data=False).graph
-    producer = {out: node.op_type for node in graph.node for out in node.output}
+    with tempfile.TemporaryDirectory() as scratch:
+        optimized = Path(scratch) / "optimized.onnx"
+        options = _session_options(threads=1)
+        options.optimized_model_filepath = str(optimized)
+        for key, value in (config_entries or {}).items():
+            options.add_session_config_entry(key, value)
+        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        graph = onnx.load(str(optimized), load_external_data=False).graph
     counts: dict[str, dict] = defaultdict(lambda: {"int8": 0, "float": 0, "ops": {}})
     for node in graph.node:
-        if node.op_type in QUANT_PLUMBING:
-            continue
-        base = _base_type(node.op_type)
-        if base not in COMPUTE_OPS:
-            continue
-        # In QDQ form both the activation and the weight come out of DequantizeLinear; a node
-        # left float may still read a dequantized activation, but its weight stays float.
-        integer = node.op_type != base or (
-            len(node.input) >= 2
-            and all(producer.get(name) == "DequantizeLinear" for name in node.input[:2]))
-        slot = counts[COMPUTE_OPS[base]]
-        slot["int8" if integer else "float"] += 1
-        slot["ops"][node.op_type] = slot["ops"].get(node.op_type, 0) + 1
+        if node.op_type in RUN_OPS:
+            kind, precision = RUN_OPS[node.op_type]
+            counts[kind][precision] += 1
+            counts[kind]["ops"][node.op_type] = counts[kind]["ops"].get(node.op_type, 0) + 1
     return dict(counts)
 
 

@@ -209,14 +209,15 @@ def export_graph(model, spec: dict, train: bool = False):
                             f"made: {str(exc).strip().splitlines()[0][:300]}") from exc
 
 
-def pt2e_options(dynamic: bool = False) -> dict:
+def pt2e_options(dynamic: bool = False, observer: str = "histogram") -> dict:
     """X86InductorQuantizer's recipe (per-channel symmetric weights, per-tensor activations),
     with 7-bit weights (-63..63) on a CPU without VNNI, where full-range u8 x s8 products
     saturate in the kernels (two products summed in int16). torchao's own `reduce_range`
     narrows the activations instead; on mnasnet0_5 that lost 33 points on held-out images
     where 7-bit weights lose 6.7, and its compiled kernels strayed further from their own
     reference (largest logit error 1.5 output standard deviations against 0.4)."""
-    return {"dynamic": dynamic, "per_channel": True, "weight_bits": 8 if cpu_has_vnni() else 7}
+    options = {"dynamic": dynamic, "per_channel": True, "weight_bits": 8 if cpu_has_vnni() else 7}
+    return options if dynamic else options | {"observer": observer}
 
 
 def make_quantizer(options: dict, float_layers=(), qat: bool = False):
@@ -229,6 +230,14 @@ def make_quantizer(options: dict, float_layers=(), qat: bool = False):
         limit = 2 ** (options["weight_bits"] - 1) - 1  # symmetric: oneDNN needs zero point 0
         config = dataclasses.replace(config, weight=dataclasses.replace(
             config.weight, quant_min=-limit, quant_max=limit))
+    if options.get("observer") == "minmax" and not qat:
+        # The activations' range from their extremes rather than X86InductorQuantizer's
+        # histogram (which trims outliers to lower the rounding error of the rest).
+        from torchao.quantization.pt2e.observer import MinMaxObserver
+
+        spec = config.input_activation
+        config = dataclasses.replace(config, input_activation=dataclasses.replace(
+            spec, observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2 ** -12)))
     if qat:
         config = _qat_weights_as_deployed(config)
     quantizer = x86.X86InductorQuantizer()
@@ -414,7 +423,10 @@ def make_dynamic(ctx) -> dict:
 def make_static(ctx) -> dict:
     config = ctx.config
     calibration = ctx.calibration()
-    candidates = [pt2e_options()]
+    # --auto: the activations' range from a histogram (X86InductorQuantizer's own) or from
+    # their extremes; weights stay per-channel, with 7 bits where the CPU lacks VNNI.
+    candidates = [pt2e_options(observer=o)
+                  for o in (("histogram", "minmax") if config.auto else ("histogram",))]
     reference = ctx.reference(lambda images: predict(ctx.float_model(), images))
     ctx.say("torch-static: scoring on the validation slice")
     trial, record = tuning.tune(_backend(ctx, calibration), candidates, reference,

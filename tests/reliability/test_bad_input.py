@@ -31,10 +31,11 @@ def test_bad_calibration_data_is_refused_with_what_was_expected(batches, message
 def test_quantize_checks_calibration_before_writing_anything(fresh_tiny_run, monkeypatch):
     from pipeline.config import QuantizeConfig
     from stages import quantize
+    from stages.runtimes import context
 
     run = fresh_tiny_run
     before = set(run.artifacts())
-    monkeypatch.setattr(quantize, "calibration_batches",
+    monkeypatch.setattr(context, "calibration_batches",
                         lambda *a, **k: [torch.zeros(4, 3, 8, 8)])
     with pytest.raises(PipelineError, match="expected"):
         quantize.run(QuantizeConfig(methods="onnx-fp32,ort-static", quiet=True), run)

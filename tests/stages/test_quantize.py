@@ -207,12 +207,30 @@ def test_no_module_imports_torch_ao_quantization():
     assert not offenders, offenders
 
 
-def test_onnx_size_and_op_counts_follow_the_graph(tiny_run):
-    counts = ort_runtime.onnx_op_counts(tiny_run["run"].verified_path("ort-dynamic"))
+def test_onnx_runtime_op_counts_are_read_from_the_graph_it_runs(tiny_run):
+    run = tiny_run["run"]
+    counts = ort_runtime.onnx_op_counts(run.verified_path("ort-dynamic"))
     assert counts["Conv"]["ops"] == {"ConvInteger": 3}
-    assert counts["Linear"]["int8"] == 1
-    static = ort_runtime.onnx_op_counts(tiny_run["run"].verified_path("ort-static"))
-    assert static["Conv"] == {"int8": 3, "float": 0, "ops": {"Conv": 3}}
+    assert counts["Linear"] == {"int8": 1, "float": 0, "ops": {"DynamicQuantizeMatMul": 1}}
+    static = ort_runtime.onnx_op_counts(run.verified_path("ort-static"))
+    assert static["Conv"] == {"int8": 3, "float": 0, "ops": {"QLinearConv": 3}}
+    assert run.entry("ort-static")["quantization"]["op_counts"] == static
+    # The same QDQ file with ONNX Runtime's QDQ fusion off runs float kernels between its
+    # quantize/dequantize pairs, and is counted so.
+    unfused = ort_runtime.onnx_op_counts(run.verified_path("ort-static"),
+                                         {"session.disable_quant_qdq": "1"})
+    assert unfused["Conv"] == {"int8": 0, "float": 3, "ops": {"Conv": 3}}
+
+
+def test_a_qdq_model_onnx_runtime_leaves_unfused_is_not_kept(fresh_tiny_run, monkeypatch):
+    real = ort_runtime.onnx_op_counts
+    monkeypatch.setattr(ort_runtime, "onnx_op_counts", lambda path, entries=None: real(
+        path, {"session.disable_quant_qdq": "1"}))
+    with pytest.raises(PipelineError, match=r"ort-static: nothing in the model runs in int8 "
+                                            r"\(Conv 0/3 int8, Linear 0/1 int8\)"):
+        quantize.run(QuantizeConfig(methods="ort-static", calibration_samples=64, quiet=True),
+                     fresh_tiny_run)
+    assert "ort-static" not in fresh_tiny_run.artifacts()
 
 
 def test_quantize_records_what_it_chose_from(tiny_run):

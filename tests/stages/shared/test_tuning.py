@@ -62,10 +62,13 @@ def test_auto_tries_several_configurations_and_keeps_the_fastest_within_budget(t
 
     run = _copy(tiny_run["run"], tmp_path / "artifacts")
     # A budget every configuration of the tiny model meets, so that speed alone decides.
-    quantize.run(QuantizeConfig(methods="ort-static,openvino-int8", auto=True,
+    quantize.run(QuantizeConfig(methods="torch-static,ort-static,openvino-int8", auto=True,
                                 max_accuracy_drop=20.0, calibration_samples=128, quiet=True),
                  run)
-    for name, count in (("ort-static", 5), ("openvino-int8", 2)):
+    tried = run.entry("torch-static")["quantization"]["tuning"]["tried"]
+    assert [t["options"]["observer"] for t in tried] == ["histogram", "minmax"]
+    assert tried[0]["logit_mse"] != tried[1]["logit_mse"]  # two real, different models
+    for name, count in (("torch-static", 2), ("ort-static", 5), ("openvino-int8", 2)):
         record = run.entry(name)["quantization"]["tuning"]
         assert len(record["tried"]) == count
         assert all(t["drop_points"] <= 20.0 and t["latency_ms_p50"] > 0 for t in record["tried"])

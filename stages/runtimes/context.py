@@ -1,0 +1,156 @@
+"""What a stage that makes variants (quantize, qat) hands each runtime's make function: the
+run, its float model, training images to calibrate on, held-out training images to score on,
+where to write, and how to register what was made."""
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from stages import runtimes
+from stages.shared.artifacts import Run
+from stages.shared.data import (
+    DataSplits,
+    calibration_batches,
+    check_calibration,
+    first_images,
+    splits_of_run,
+    tuning_images,
+)
+from stages.shared.errors import PipelineError, UsageError
+from stages.shared.evaluate import accuracy
+from stages.shared.progress import say
+
+
+def float_source(run: Run) -> str:
+    """The variant every quantized model is made from: `amp`, else an imported `fp32`."""
+    artifacts = run.artifacts()
+    for name in ("amp", "fp32"):
+        if name in artifacts:
+            return name
+    raise UsageError(f"run {run.name!r} has no float model; run 'pipeline train' or "
+                     "'pipeline import' first")
+
+
+def source_of(run: Run, name: str) -> str | None:
+    source = runtimes.VARIANTS[name].source
+    return float_source(run) if source == runtimes.FLOAT else source
+
+
+@dataclass
+class QuantContext:
+    """What every runtime's make function gets: the run, the float model, training images
+    for calibration, held-out training images to score on, and where to write."""
+
+    run: Run
+    config: object
+    splits: DataSplits
+    spec: dict
+    folder: Path
+    scratch: Path
+    source: str
+    threads: int
+    stage: str = "quantize"
+    _batches: list = field(default_factory=list)
+    _float: object = None
+    _val: tuple | None = None
+    _loaded: dict = field(default_factory=dict)
+    # Checks that compile a model, kept until the stage's last torch.export: a strict export
+    # resets Dynamo, which throws every compiled model of the process away (each took 3 to
+    # 15 s to compile, and the report in the same chain would compile them all again).
+    deferred: dict = field(default_factory=dict)
+    defer_compiles: bool = False
+
+    def after_exports(self, name: str, check) -> None:
+        if self.defer_compiles:
+            self.deferred[name] = check
+        else:
+            check()
+
+    def say(self, message: str) -> None:
+        say(message, quiet=self.config.quiet)
+
+    def float_model(self):
+        """The float source as an eager fp32 module, loaded and verified once; no make
+        function mutates it."""
+        if self._float is None:
+            from stages.runtimes.pytorch import load_float_module
+
+            self._float = load_float_module(self.run, self.source)
+        return self._float
+
+    def calibration(self) -> list:
+        """Training images, drawn once per stage and shared by every static method."""
+        if not self._batches:
+            try:
+                self._batches = calibration_batches(self.splits, self.config.calibration_samples,
+                                                    self.config.calibration_batch_size,
+                                                    self.config.seed)
+            except ValueError as exc:
+                raise PipelineError(str(exc)) from None
+            check_calibration(self._batches, self.input_shape())
+        return self._batches
+
+    def input_shape(self) -> tuple[int, int, int]:
+        return (self.spec["in_channels"], self.spec["image_size"], self.spec["image_size"])
+
+    def validation(self):
+        """Held-out training images (validation split and what calibration did not use)."""
+        if self._val is None:
+            self._val = tuning_images(self.splits, self.config.calibration_samples,
+                                      self.config.seed)
+        return self._val
+
+    def reference(self, predict_fn) -> dict:
+        images, labels = self.validation()
+        logits = predict_fn(images)
+        return {"images": images, "labels": labels, "logits": logits,
+                "accuracy": accuracy(logits, labels)}
+
+    def check_images(self):
+        """A fixed slice of training images to compare a model before and after saving."""
+        return first_images(self.splits.calibration, 128)
+
+    def logits_of(self, name: str, images):
+        """Logits of an already written variant, loaded once through its runtime."""
+        if name not in self._loaded:
+            self._loaded[name] = runtimes.load(self.run, name, threads=1)
+        return self._loaded[name].predict(images)
+
+    def register(self, name: str, path: Path, info: dict, fmt: str, op_counts: dict,
+                 companions: tuple[Path, ...] = ()) -> None:
+        """List a variant with what really runs in it (``op_counts``, measured by its runtime
+        on the model as written). An int8 variant in which nothing runs in int8 is a silent
+        float fallback: an error, not a result."""
+        if runtimes.VARIANTS[name].int8 and not any(c["int8"] for c in op_counts.values()):
+            raise PipelineError(f"{name}: nothing in the model runs in int8 "
+                                f"({runtimes.summarize_ops(op_counts)}), so it was not kept; "
+                                "please report this with --debug output")
+        self._loaded.pop(name, None)
+        self.run.register(name, path, kind="model", stage=self.stage,
+                          parent=source_of(self.run, name), config=asdict(self.config),
+                          format=fmt, model_spec=self.spec, companions=companions,
+                          quantization=info | {"op_counts": op_counts})
+
+
+@contextlib.contextmanager
+def context(run: Run, config, stage: str, **options) -> Iterator[QuantContext]:
+    """The QuantContext a stage that makes variants works in (quantize, qat): the run's float
+    source and data, the quantize/ folder, and a scratch folder removed afterwards. Records the
+    stage's configuration with the source it was made from."""
+    import torch
+
+    source = float_source(run)
+    folder = run.root / "quantize"
+    folder.mkdir(parents=True, exist_ok=True)
+    splits = splits_of_run(run)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".scratch-") as scratch:
+        ctx = QuantContext(run, config, splits, run.entry(source)["model_spec"], folder,
+                           Path(scratch), source, torch.get_num_threads(), stage=stage,
+                           **options)
+        if stage == "quantize":
+            ctx.calibration()  # bad calibration data stops the stage before anything is written
+        run.record_config(stage, asdict(config) | {"source": source})
+        yield ctx
