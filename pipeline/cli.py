@@ -162,12 +162,15 @@ def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Pa
         else:
             run = artifacts.open_run(artifacts_dir, run_name)  # fails before any work starts
         stages = " ".join(stage for stage, _ in processors)
-        with artifacts.hold_run(run, stages) if world.is_main else contextlib.nullcontext():
+        reads_only = all(stage in READS_ONLY for stage, _ in processors)
+        with (artifacts.hold_run(run, stages) if world.is_main and not reads_only
+              else contextlib.nullcontext()):
             for stage, process in processors:
                 if stage not in ("train", "qat") and not world.is_main:
                     continue  # quantize and report are single-process work for rank 0
-                seconds = _run_stage(run, stage, process, world.is_main)
-                if world.is_main and not ctx.obj["quiet"]:
+                seconds = _run_stage(run, stage, process,
+                                     world.is_main and stage not in READS_ONLY)
+                if world.is_main and not ctx.obj["quiet"] and stage not in READS_ONLY:
                     click.echo(f"{stage}: done in {_duration(seconds)}", err=True)
     finally:
         distributed.teardown()
@@ -494,6 +497,75 @@ def report(ctx: click.Context, **flags) -> Processor:
         click.echo(f"report: {run.root / 'report' / 'report.md'}")
 
     return "report", process
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
+@click.option("--variant", help="A variant's name, or recommended (the report's choice).  "
+              "[default: recommended]")
+@click.option("--top-k", type=int, help="Classes printed per image.  [default: 1]")
+@click.option("--batch-size", type=int, help="Images decoded and predicted together.  "
+              "[default: 64]")
+@click.option("--json", "json_lines", is_flag=True, default=None,
+              help="One JSON object per image instead of text.")
+@_run_options
+@click.pass_context
+def predict(ctx: click.Context, paths, json_lines, **flags) -> Processor:
+    """Predict image files (or folders of them) with a variant of the run: one line each.
+
+    Must come last in a chain: it takes every argument after it as a path."""
+    _take_run_options(ctx, flags)
+    config = _build(ctx, "predict", flags | {"paths": paths, "json": json_lines})
+
+    def process(run) -> None:
+        import json
+
+        from pipeline.api import load, predict_files
+        from stages.shared.errors import PipelineError, UsageError
+        from stages.shared.preprocess import image_files
+
+        files, empty = image_files(config.paths)
+        if empty:
+            raise UsageError(f"{', '.join(map(str, empty))}: no image files in this folder")
+        model = load(run.root, config.variant, threads=config.threads)
+        skipped = 0
+        for path, result in predict_files(model, files, config.batch_size, config.top_k):
+            if isinstance(result, str):
+                click.echo(f"pipeline: skipped {path}: {result}", err=True)
+                skipped += 1
+            elif config.json:
+                click.echo(json.dumps({"path": str(path), "variant": model.variant, "top": [
+                    {"class": name, "probability": p} for name, p in result]}))
+            else:
+                click.echo(f"{path}: " + ", ".join(f"{name} ({p:.3f})" for name, p in result))
+        if skipped:
+            raise PipelineError(f"{skipped} of {len(files)} file(s) were not images and were "
+                                "skipped (named above)")
+
+    return "predict", process
+
+
+@cli.command("export", context_settings=CONTEXT)
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=str))
+@click.option("--variant", help="A variant's name, or recommended (the report's choice).  "
+              "[default: recommended]")
+@_run_options
+@click.pass_context
+def export(ctx: click.Context, **flags) -> Processor:
+    """Write a variant as a folder that runs without this project: its model file(s),
+    preprocessing.json, predict.py and a manifest.json of sha256."""
+    _take_run_options(ctx, flags)
+    config = _build(ctx, "export", flags | {"quiet": ctx.obj["quiet"]})
+
+    def process(run) -> None:
+        from stages import export as export_stage
+
+        click.echo(f"export: {export_stage.run(config, run)}")
+
+    return "export", process
+
+
+READS_ONLY = ("predict", "export")  # they change nothing in the run: no lock, no stage status
 
 
 def _fail_stage_on_sigterm() -> None:

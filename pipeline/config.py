@@ -308,6 +308,45 @@ class ReportConfig:
         _at_least("--fail-under-float-speedup", self.fail_under_float_speedup, 0.0)
 
 
+@dataclass
+class PredictConfig:
+    """Predict image files with a variant of a run (`pipeline predict`)."""
+
+    paths: tuple[str, ...] = ()
+    variant: str = "recommended"
+    top_k: int = 1
+    batch_size: int = 64
+    json: bool = False
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        self.paths = tuple(self.paths)
+        if not self.paths:
+            raise ValueError("predict needs image files or folders: pipeline predict PATH...")
+        for path in self.paths:
+            if not _expanded("PATH", path).exists():
+                raise ValueError(f"{path} does not exist; give image files or folders")
+        _at_least("--top-k", self.top_k, 1)
+        _at_least("--batch-size", self.batch_size, 1)
+        _at_least("--threads", self.threads, 0)
+
+
+@dataclass
+class ExportConfig:
+    """Write a variant as a folder that runs without this project (`pipeline export`)."""
+
+    out_dir: str = ""
+    variant: str = "recommended"
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        if not self.out_dir:
+            raise ValueError("export needs the folder to write: pipeline export OUT_DIR")
+        _expanded("OUT_DIR", self.out_dir)
+
+
 def parse_int_list(flag: str, text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(",") if part.strip())
@@ -316,7 +355,8 @@ def parse_int_list(flag: str, text: str) -> tuple[int, ...]:
 
 
 STAGE_CONFIGS = {"train": TrainConfig, "import": ImportConfig, "qat": QatConfig,
-                 "quantize": QuantizeConfig, "report": ReportConfig}
+                 "quantize": QuantizeConfig, "report": ReportConfig, "predict": PredictConfig,
+                 "export": ExportConfig}
 
 
 def read_config_file(path: Path) -> dict[str, dict]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from stages.shared.artifacts import Run, atomic_torch_save, sha256_file
 from stages.shared.checkpoints import cpu_state_dict
-from stages.shared.data import expected_shape, load_splits
+from stages.shared.data import expected_shape, load_splits, record_preprocessing
 from stages.shared.evaluate import dataset_accuracy
 from stages.shared.models import build_model, check_model_fits, model_spec
 from stages.shared.progress import say
@@ -58,6 +58,7 @@ def run(config, run: Run) -> dict:
                       folder / "model.pt")
     origin = {"file": str(path.resolve()), "sha256": sha256_file(path), "weights": config.weights}
     run.record_config("import", asdict(config))
+    record_preprocessing(run, splits, config.dataset, "import")
     run.register("fp32", folder / "model.pt", kind="model", stage="import",
                  config=asdict(config), format="pytorch", model_spec=spec,
                  imported_from=origin, scores=scores)

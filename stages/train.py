@@ -39,7 +39,13 @@ from stages.shared.checkpoints import (
     rng_state,
     weights_digest,
 )
-from stages.shared.data import DataSplits, expected_shape, load_splits, make_loader
+from stages.shared.data import (
+    DataSplits,
+    expected_shape,
+    load_splits,
+    make_loader,
+    record_preprocessing,
+)
 from stages.shared.errors import PipelineError
 from stages.shared.evaluate import dataset_accuracy
 from stages.shared.machine import isa
@@ -428,6 +434,7 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
         run.record_config("train", asdict(config) | {"resolved_precision": precision.name,
                                                      "resolved_device": str(device),
                                                      "world_size": world.world_size})
+        record_preprocessing(run, splits, config.dataset, "train")
     # Where autocast resolves to fp32, `amp` is the baseline's computation step for step (same
     # seed, data order and hyperparameters): it is trained once and fp32 is listed as its copy.
     baseline_is_amp = config.baseline and precision.name == "fp32"

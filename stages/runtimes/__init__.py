@@ -73,6 +73,28 @@ def load(run, name: str, threads: int) -> Loaded:
     return LOADERS[VARIANTS[name].runtime](run, name, threads)
 
 
+RECOMMENDED = "recommended"
+
+
+def resolve(run, variant: str) -> str:
+    """A variant of ``run`` by name; "recommended" is the one its report recommends."""
+    import json
+
+    from stages.shared.errors import UsageError
+
+    if variant == RECOMMENDED:
+        if "report/report.json" not in run.artifacts():
+            raise UsageError(f"run {run.name!r} has no report yet, so nothing is recommended; "
+                             "run 'pipeline report' first, or name a variant")
+        report = json.loads(run.verified_path("report/report.json").read_text())
+        variant = report["verdict"]["recommended"]
+    present = [name for name in VARIANTS if name in run.artifacts()]
+    if variant not in present:
+        raise UsageError(f"run {run.name!r} has no variant {variant!r}; it has: "
+                         f"{', '.join(present) or 'none'} (or {RECOMMENDED})")
+    return variant
+
+
 def made_by_quantize() -> list[str]:
     return [v.name for v in VARIANTS.values() if v.make is not None]
 

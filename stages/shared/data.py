@@ -42,6 +42,10 @@ class DataSplits:
     in_channels: int
     image_size: int
     skipped_images: int = 0
+    classes: tuple[str, ...] = ()  # the name of each class index, as the data set gives them
+    # How one image becomes the model's input (stages/shared/preprocess.py): the evaluation
+    # transform as numbers, for pipeline.load, predict and export.
+    preprocessing: dict | None = None
 
     def input_shape(self, batch_size: int) -> tuple[int, int, int, int]:
         return (batch_size, self.in_channels, self.image_size, self.image_size)
@@ -93,8 +97,13 @@ def digits(image_size: int = 32, seed: int = 0, val_fraction: float = 0.1,
         return torch.utils.data.TensorDataset(images[idx].contiguous(), labels[idx])
 
     train_set = subset(train)
+    # A digit from a file is reduced to the data set's 8x8, scaled to [0, 1] (the data set's
+    # 0..16 over 16), normalised with these statistics, then resized like the data set.
+    preprocessing = {"colour": "L", "source_size": 8, "resize": "bilinear-half-pixel",
+                     "mean": [float(mean)], "std": [float(std)]}
     return DataSplits(train_set, subset(val), subset(test), train_set, num_classes=10,
-                      in_channels=images.shape[1], image_size=image_size)
+                      in_channels=images.shape[1], image_size=image_size,
+                      classes=tuple(str(i) for i in range(10)), preprocessing=preprocessing)
 
 
 # ---------------------------------------------------------------- torchvision data sets
@@ -133,6 +142,14 @@ def _transforms(name: str, image_size: int, in_channels: int | None, train: bool
     if in_channels and in_channels > len(mean):
         steps.append(_Widen(in_channels))
     return T.Compose(steps)
+
+
+def _pil_preprocessing(name: str) -> dict:
+    """_transforms(train=False) as numbers: torchvision's Resize on a PIL image is PIL's own
+    bilinear resize, then ToTensor (divide by 255) and Normalize."""
+    mean, std = STATS[name]
+    return {"colour": "L" if len(mean) == 1 else "RGB", "source_size": None,
+            "resize": "pil-bilinear", "mean": list(mean), "std": list(std)}
 
 
 def _expected_files(name: str, root: Path) -> tuple[Path, list[str]]:
@@ -174,7 +191,8 @@ def _torchvision_splits(name: str, image_size: int, seed: int, data_dir: Path, d
     channels = in_channels or len(STATS[name][0])
     return DataSplits(subset(augmented, sorted(train_idx)), subset(plain, sorted(val_idx)), test,
                       subset(plain, sorted(train_idx)), num_classes=len(augmented.classes),
-                      in_channels=channels, image_size=image_size)
+                      in_channels=channels, image_size=image_size,
+                      classes=tuple(augmented.classes), preprocessing=_pil_preprocessing(name))
 
 
 for _name in ("mnist", "fashion-mnist", "cifar10", "cifar100"):
@@ -261,7 +279,8 @@ def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
     return DataSplits(subset(augmented, sorted(train_idx)), subset(plain, sorted(val_idx)), test,
                       subset(plain, sorted(train_idx)), num_classes=len(augmented.classes),
                       in_channels=in_channels or 3, image_size=image_size,
-                      skipped_images=skipped)
+                      skipped_images=skipped, classes=tuple(augmented.classes),
+                      preprocessing=_pil_preprocessing("imagefolder"))
 
 
 # Classes and channels of each data set, known before it is read (an image folder's classes
@@ -300,6 +319,34 @@ def load_splits(config) -> DataSplits:
                             skip_bad_images=option("skip_bad_images", False))
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
+
+
+def preprocessing_spec(splits: DataSplits, dataset: str) -> dict:
+    """What stages/shared/preprocess.py needs to turn an image file into this model's input,
+    and the class names: preprocessing.json."""
+    return {"dataset": dataset, "image_size": splits.image_size,
+            "channels": splits.in_channels, "classes": list(splits.classes),
+            **(splits.preprocessing or {})}
+
+
+def record_preprocessing(run, splits: DataSplits, dataset: str, stage: str) -> None:
+    """Write preprocessing.json into the run and list it, for load, predict and export."""
+    from stages.shared.artifacts import atomic_write_json
+
+    path = run.root / "preprocessing.json"
+    atomic_write_json(path, preprocessing_spec(splits, dataset))
+    run.register("preprocessing", path, kind="data", stage=stage)
+
+
+def preprocessing_of_run(run) -> dict:
+    """The run's preprocessing.json, or (a run made before it was written) the same rebuilt
+    from the data set it was trained on."""
+    import json
+
+    if "preprocessing" in run.artifacts():
+        return json.loads(run.verified_path("preprocessing").read_text())
+    trained = next(run.artifacts()[n] for n in ("amp", "fp32") if n in run.artifacts())
+    return preprocessing_spec(splits_of_run(run), trained["config"].get("dataset", "digits"))
 
 
 def splits_of_run(run) -> DataSplits:

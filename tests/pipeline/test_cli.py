@@ -28,7 +28,7 @@ def invoke(*args):
     (["--device", "tpu", "train"], "'tpu' is not one of 'auto', 'cpu', 'cuda'"),
     (["report", "--batch-sizes", "1,x"], "--batch-sizes takes whole numbers"),
     (["qantize"], "No such command 'qantize'. (Did you mean one of: 'qat', 'quantize'?) "
-                  "Commands: import, qat, quantize, report, train."),
+                  "Commands: export, import, predict, qat, quantize, report, train."),
     (["import", "--model", "smallcnn"], "--weights is required"),
     (["train", "--init-weights", "/nonexistent.pt"], "--init-weights '/nonexistent.pt' is not a file"),
 ])
@@ -48,7 +48,8 @@ def test_bare_command_prints_help():
 def test_help_does_not_import_torch():
     code = ("import sys\nfrom pipeline.cli import cli\n"
             "for args in (['--help'], ['train', '--help'], ['import', '--help'], ['qat', '--help'],"
-            " ['quantize', '--help'], ['report', '--help']):\n"
+            " ['quantize', '--help'], ['report', '--help'], ['predict', '--help'],"
+            " ['export', '--help']):\n"
             "    try:\n        cli.main(args, prog_name='pipeline')\n    except SystemExit as e:\n"
             "        assert e.code == 0, e.code\n"
             "print('torch' in sys.modules)")

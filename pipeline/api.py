@@ -1,0 +1,94 @@
+"""Use what the pipeline compressed, from Python:
+
+    import pipeline
+    model = pipeline.load("artifacts/runs/20261201-120000", variant="recommended")
+    logits = model.predict(["cat.png", "dog.png"])        # numpy, (images, classes)
+    model.classes[logits.argmax(1)[0]]
+
+`load` takes a run folder, a run name (in $PIPELINE_ARTIFACTS_DIR or ./artifacts) or nothing for
+the latest run, and any variant's name or "recommended" (the report's choice for its largest
+batch). Every file is checked against its sha256 in the run's manifest before it is loaded, as
+the stages check them, and the variant runs through the same loader the report timed.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+
+def open_run(run=None, artifacts_dir=None):
+    """A run folder's path, a run's name, or None for the latest run."""
+    from stages.shared.artifacts import open_run as open_named
+
+    if run is not None and (Path(run) / "manifest.json").is_file():
+        folder = Path(run)
+        return open_named(folder.parent.parent, folder.name)
+    folder = artifacts_dir or os.environ.get("PIPELINE_ARTIFACTS_DIR", "artifacts")
+    return open_named(Path(folder), None if run is None else str(run))
+
+
+@dataclass
+class Model:
+    """One variant of a run, loaded and ready: predict logits, preprocess images, name classes."""
+
+    variant: str
+    run_name: str
+    serving: str
+    classes: list[str]
+    spec: dict  # preprocessing.json
+    _loaded: object
+
+    def preprocess(self, image) -> "numpy.ndarray":
+        """A path or PIL image as the model's input (channels, size, size), float32: the
+        evaluation transform of the run's data set."""
+        from stages.shared.preprocess import preprocess
+
+        return preprocess(image, self.spec)
+
+    def predict(self, images) -> "numpy.ndarray":
+        """Logits (images, classes) as float32 numpy, for a batch of preprocessed images
+        (numpy or torch, (N, C, H, W) or one (C, H, W)) or a list of paths and PIL images."""
+        import numpy as np
+        import torch
+
+        if isinstance(images, (list, tuple)):
+            images = np.stack([self.preprocess(i) if not isinstance(i, np.ndarray) else i
+                               for i in images]) if images else np.zeros(
+                (0, self.spec["channels"], self.spec["image_size"], self.spec["image_size"]),
+                np.float32)
+        batch = torch.as_tensor(np.asarray(images, dtype=np.float32)
+                                if not isinstance(images, torch.Tensor) else images.float())
+        if batch.dim() == 3:
+            batch = batch[None]
+        if len(batch) == 0:
+            return np.zeros((0, len(self.classes)), np.float32)
+        return self._loaded.predict(batch.contiguous()).numpy()
+
+    def __repr__(self) -> str:
+        return (f"Model({self.variant!r} of run {self.run_name!r}: {self.serving}; "
+                f"{len(self.classes)} classes, input {self.spec['channels']}x"
+                f"{self.spec['image_size']}x{self.spec['image_size']})")
+
+
+def load(run=None, variant: str = "recommended", *, artifacts_dir=None,
+         threads: int = 0) -> Model:
+    """Load a variant of a run; see the module's docstring."""
+    from stages import runtimes
+    from stages.shared.data import preprocessing_of_run
+
+    opened = open_run(run, artifacts_dir)
+    name = runtimes.resolve(opened, variant)
+    spec = preprocessing_of_run(opened)
+    loaded = runtimes.load(opened, name, threads or min(os.cpu_count() or 1, 8))
+    return Model(name, opened.name, loaded.serving, list(spec["classes"]), spec, loaded)
+
+
+def predict_files(model: Model, paths: Sequence[Path], batch_size: int = 64,
+                  top_k: int = 1) -> Iterator[tuple[Path, list[tuple[str, float]] | str]]:
+    """(path, [(class, probability), ...]) for each image, in order, decoded and predicted in
+    batches; (path, why) for a file that is not a readable image, which is skipped."""
+    from stages.shared.preprocess import predict_files as predict_with
+
+    yield from predict_with(list(paths), model.spec, model.predict, batch_size, top_k)

@@ -1,0 +1,119 @@
+"""Export: a variant as a folder that runs without this project.
+
+    model.onnx / model.xml+model.bin / model.pt2   the model, in its runtime's own format
+    preprocessing.json     input size, channels, colour, mean and std, resizing, class names
+    preprocess.py          how an image becomes the input (numpy and Pillow only), the same code
+                           `pipeline predict` runs
+    predict.py             `python predict.py IMAGE...`: the top class of each image, with the
+                           runtime alone (onnxruntime, openvino, or torch)
+    manifest.json          the variant, how it is served, and the sha256 of every other file
+
+PyTorch variants are saved with torch.export (`model.pt2`), whose loader can run code from the
+file: the export says so, and so does predict.py. The folder is written beside OUT_DIR and
+renamed into place, so an interrupted export leaves no half folder under that name.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from stages import runtimes
+from stages.runtimes.context import float_source
+from stages.shared import preprocess
+from stages.shared.artifacts import Run, sha256_file, versions
+from stages.shared.data import preprocessing_of_run
+from stages.shared.errors import UsageError
+from stages.shared.progress import say
+
+TEMPLATES = {"onnxruntime": "predict_onnxruntime.py", "openvino": "predict_openvino.py",
+             "pytorch": "predict_torch.py"}
+REQUIRES = {"onnxruntime": ["onnxruntime", "numpy", "pillow"],
+            "openvino": ["openvino", "numpy", "pillow"], "pytorch": ["torch", "numpy", "pillow"]}
+CODE_WARNING = ("model.pt2 is torch.export's format, whose loader can run code from the file: "
+                "load it only from a source you trust, after checking manifest.json's sha256")
+
+
+def _copy_onnx(run: Run, name: str, folder: Path) -> None:
+    from stages.runtimes.onnx_export import external_data_files
+
+    source = run.verified_path(name)
+    shutil.copyfile(source, folder / "model.onnx")
+    for data in external_data_files(source):  # keep the names the model refers to
+        shutil.copyfile(data, folder / data.name)
+
+
+def _copy_openvino(run: Run, name: str, folder: Path) -> None:
+    source = run.verified_path(name)
+    shutil.copyfile(source, folder / "model.xml")
+    shutil.copyfile(source.with_suffix(".bin"), folder / "model.bin")
+
+
+def _save_torch(run: Run, name: str, folder: Path) -> dict:
+    """The variant as an ExportedProgram with a dynamic batch axis; what predict.py needs to
+    serve it as the report measured it (compiled, or under autocast)."""
+    import torch
+
+    from stages.runtimes import pytorch as torch_runtime
+
+    entry = run.entry(name)
+    if name in ("fp32", "amp", "fp32-compiled"):
+        source = entry["parent"] if name == "fp32-compiled" else name
+        module = torch_runtime.load_float_module(run, source)
+    else:
+        module = torch_runtime.load_pt2e(run, name)
+    spec = run.entry(float_source(run))["model_spec"]
+    example = torch.zeros(2, spec["in_channels"], spec["image_size"], spec["image_size"])
+    program = torch.export.export(module, (example,), strict=False, dynamic_shapes=(
+        {0: torch.export.Dim("batch", min=1)},))
+    torch.export.save(program, str(folder / "model.pt2"))
+    precision = (entry.get("training") or {}).get("precision", "fp32")
+    return {"compile": name not in ("fp32", "amp"),
+            "autocast": precision if name == "amp" and precision in ("bf16", "fp16") else None}
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse an OUT_DIR that holds anything: an export never writes over a user's files."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise UsageError(f"{out_dir} already exists and is not an empty folder; give a new "
+                         "OUT_DIR (export writes a folder of its own)")
+
+
+def run(config, run: Run) -> Path:
+    """Write the folder for config.variant (a name or "recommended") at config.out_dir."""
+    out_dir = Path(config.out_dir).expanduser()
+    check_out_dir(out_dir)
+    name = runtimes.resolve(run, config.variant)
+    runtime = runtimes.VARIANTS[name].runtime
+    spec = preprocessing_of_run(run)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as scratch:
+        folder = Path(scratch) / "export"
+        folder.mkdir()
+        serving = {"runtime": runtime}
+        if runtime == "onnxruntime":
+            _copy_onnx(run, name, folder)
+        elif runtime == "openvino":
+            _copy_openvino(run, name, folder)
+        else:
+            serving |= _save_torch(run, name, folder)
+            say(f"export: {CODE_WARNING}", quiet=False)
+        (folder / "preprocessing.json").write_text(json.dumps(spec, indent=2) + "\n")
+        shutil.copyfile(preprocess.__file__, folder / "preprocess.py")
+        shutil.copyfile(Path(__file__).with_name(TEMPLATES[runtime]), folder / "predict.py")
+        files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+                 for p in sorted(folder.iterdir())}
+        manifest = {"variant": name, "run": run.name, "serving": serving,
+                    "requires": REQUIRES[runtime], "files": files,
+                    "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                    "versions": {k: v for k, v in versions().items() if k in ("pipeline", runtime,
+                                                                               "python")}}
+        (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        if out_dir.exists():
+            out_dir.rmdir()  # empty: checked above
+        folder.rename(out_dir)
+    say(f"export: {name} ({runtime}) -> {out_dir}: python {out_dir / 'predict.py'} IMAGE...",
+        quiet=config.quiet)
+    return out_dir

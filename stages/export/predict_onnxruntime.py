@@ -1,0 +1,21 @@
+"""Predict with an exported model: python predict.py IMAGE_OR_FOLDER...
+
+Prints the most probable class of each image, as `pipeline predict` does. Needs onnxruntime,
+numpy and Pillow; preprocess.py and preprocessing.json beside this file say how an image
+becomes the model's input.
+"""
+import sys
+from pathlib import Path
+
+import onnxruntime
+import preprocess
+
+HERE = Path(__file__).resolve().parent
+
+if __name__ == "__main__":
+    session = onnxruntime.InferenceSession(str(HERE / "model.onnx"),
+                                           providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    sys.exit(preprocess.main(sys.argv[1:] or sys.exit(__doc__),
+                             preprocess.read_spec(HERE / "preprocessing.json"),
+                             lambda batch: session.run(None, {name: batch})[0]))

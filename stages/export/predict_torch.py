@@ -1,0 +1,38 @@
+"""Predict with an exported model: python predict.py IMAGE_OR_FOLDER...
+
+Prints the most probable class of each image, as `pipeline predict` does. Needs torch, numpy
+and Pillow; preprocess.py and preprocessing.json beside this file say how an image becomes the
+model's input. model.pt2 is torch.export's format: loading it can run code from the file, so
+load only a folder whose manifest.json sha256 you have checked, from a source you trust.
+"""
+import json
+import sys
+from pathlib import Path
+
+import preprocess
+import torch
+import torch._inductor.config
+import torch._inductor.lowering  # noqa: F401  registers PyTorch's quantized_decomposed ops
+
+HERE = Path(__file__).resolve().parent
+
+
+def logits_of(model, autocast):
+    def run(batch):
+        with torch.inference_mode(), torch.autocast("cpu", dtype=autocast,
+                                                    enabled=autocast is not None):
+            return model(torch.from_numpy(batch)).float().numpy()
+
+    return run
+
+
+if __name__ == "__main__":
+    serving = json.loads((HERE / "manifest.json").read_text())["serving"]
+    model = torch.export.load(str(HERE / "model.pt2")).module()
+    if serving.get("compile"):
+        torch._inductor.config.freezing = True  # weights as constants: oneDNN's int8 kernels
+        model = torch.compile(model, dynamic=False)
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(serving.get("autocast"))
+    sys.exit(preprocess.main(sys.argv[1:] or sys.exit(__doc__),
+                             preprocess.read_spec(HERE / "preprocessing.json"),
+                             logits_of(model, autocast)))
