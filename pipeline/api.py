@@ -87,8 +87,8 @@ def load(run=None, variant: str = "recommended", *, artifacts_dir=None,
 
 def predict_files(model: Model, paths: Sequence[Path], batch_size: int = 64,
                   top_k: int = 1) -> Iterator[tuple[Path, list[tuple[str, float]] | str]]:
-    """(path, [(class, probability), ...]) for each image, in order, decoded and predicted in
-    batches; (path, why) for a file that is not a readable image, which is skipped."""
+    """(path, [(class, probability), ...]) for each image, decoded and predicted in batches;
+    (path, why) for a file that is not a readable image, which is skipped."""
     from stages.shared.preprocess import predict_files as predict_with
 
     yield from predict_with(list(paths), model.spec, model.predict, batch_size, top_k)

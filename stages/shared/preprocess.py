@@ -29,7 +29,7 @@ def read_spec(path) -> dict:
 
 
 def _resize_half_pixel(array: np.ndarray, size: int) -> np.ndarray:
-    """Bilinear resize of (C, H, W) to (C, size, size) with half-pixel centres and clamped
+    """Bilinear resize of (..., H, W) to (..., size, size) with half-pixel centres and clamped
     edges: torch.nn.functional.interpolate(mode="bilinear", align_corners=False)."""
     def weights(n_in: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         position = (np.arange(size) + 0.5) * (n_in / size) - 0.5
@@ -38,35 +38,44 @@ def _resize_half_pixel(array: np.ndarray, size: int) -> np.ndarray:
         high = np.minimum(low + 1, n_in - 1)
         return low, high, (position - low).astype(np.float32)
 
-    y0, y1, wy = weights(array.shape[1])
-    x0, x1, wx = weights(array.shape[2])
-    rows = array[:, y0, :] * (1 - wy)[None, :, None] + array[:, y1, :] * wy[None, :, None]
-    return rows[:, :, x0] * (1 - wx) + rows[:, :, x1] * wx
+    y0, y1, wy = weights(array.shape[-2])
+    x0, x1, wx = weights(array.shape[-1])
+    rows = array[..., y0, :] * (1 - wy)[:, None] + array[..., y1, :] * wy[:, None]
+    return rows[..., x0] * (1 - wx) + rows[..., x1] * wx
 
 
-def preprocess(image, spec: dict) -> np.ndarray:
-    """A path or PIL image as the model's input, float32 (channels, size, size)."""
+def decode(image, spec: dict) -> np.ndarray:
+    """A path or PIL image as uint8 pixels (H, W) or (H, W, 3) in the spec's colour, resized to
+    the size the data set's images have before normalising (its source size, or the model's)."""
     if not isinstance(image, Image.Image):
         with Image.open(image) as opened:
             image = opened.convert(spec["colour"])
     else:
         image = image.convert(spec["colour"])
-    size = spec["image_size"]
-    if spec.get("source_size"):
-        source = spec["source_size"]
-        image = image.resize((source, source), Image.BILINEAR)
-    elif image.size != (size, size):
-        image = image.resize((size, size), Image.BILINEAR)
-    array = np.asarray(image, dtype=np.float32) / 255.0
-    array = array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
+    side = spec.get("source_size") or spec["image_size"]
+    if image.size != (side, side):
+        image = image.resize((side, side), Image.BILINEAR)
+    return np.asarray(image)
+
+
+def to_input(pixels: np.ndarray, spec: dict) -> np.ndarray:
+    """Decoded uint8 images (N, H, W) or (N, H, W, 3) as the model's input, float32
+    (N, channels, size, size): scaled to [0, 1], normalised, resized, widened."""
+    array = pixels.astype(np.float32) / 255.0
+    array = array[:, None] if array.ndim == 3 else array.transpose(0, 3, 1, 2)
     mean = np.asarray(spec["mean"], dtype=np.float32)[:, None, None]
     std = np.asarray(spec["std"], dtype=np.float32)[:, None, None]
     array = (array - mean) / std
-    if spec.get("source_size") and spec["source_size"] != size:
-        array = _resize_half_pixel(array, size)
-    if array.shape[0] < spec["channels"]:  # grey data, a model that takes 3 channels
-        array = np.repeat(array, spec["channels"], axis=0)
+    if array.shape[-1] != spec["image_size"]:  # the digits: reduced, normalised, then resized
+        array = _resize_half_pixel(array, spec["image_size"])
+    if array.shape[1] < spec["channels"]:  # grey data, a model that takes 3 channels
+        array = np.repeat(array, spec["channels"], axis=1)
     return np.ascontiguousarray(array, dtype=np.float32)
+
+
+def preprocess(image, spec: dict) -> np.ndarray:
+    """A path or PIL image as the model's input, float32 (channels, size, size)."""
+    return to_input(decode(image, spec)[None], spec)[0]
 
 
 def image_files(paths) -> tuple[list[Path], list[Path]]:
@@ -89,25 +98,42 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return shifted / shifted.sum(axis=1, keepdims=True)
 
 
+def _decoded(paths, spec: dict) -> tuple[list, list, list]:
+    """(paths decoded, their pixels, (path, why) of those that could not be)."""
+    ready, pixels, failed = [], [], []
+    for path in paths:
+        try:
+            pixels.append(decode(path, spec))
+            ready.append(path)
+        except Exception as exc:  # Pillow raises many kinds for a file it cannot read
+            failed.append((path, " ".join(str(exc).split()) or type(exc).__name__))
+    return ready, pixels, failed
+
+
 def predict_files(files, spec: dict, logits_of, batch_size: int = 64, top_k: int = 1):
-    """For each file, in order: (path, [(class, probability), ...] most probable first), or
-    (path, why) for a file that is not a readable image (skipped). ``logits_of`` takes a batch
-    (N, C, H, W) of preprocessed images and returns logits (N, classes)."""
+    """For each file, batch by batch (within one, the files skipped first): (path, [(class,
+    probability), ...] most probable first), or (path, why) for a file that is not a readable
+    image, which is skipped. ``logits_of`` takes a batch
+    (N, C, H, W) of preprocessed images and returns logits (N, classes). The next batch is
+    decoded in a thread while the model runs on this one (Pillow decodes without the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     top_k = min(top_k, len(spec["classes"]))
-    for start in range(0, len(files), batch_size):
-        ready, inputs = [], []
-        for path in files[start:start + batch_size]:
-            try:
-                inputs.append(preprocess(path, spec))
-                ready.append(path)
-            except Exception as exc:  # Pillow raises many kinds for a file it cannot read
-                yield path, " ".join(str(exc).split()) or type(exc).__name__
-        if not inputs:
-            continue
-        probabilities = softmax(np.asarray(logits_of(np.stack(inputs)), dtype=np.float64))
-        for path, row in zip(ready, probabilities):
-            best = np.argsort(-row)[:top_k]
-            yield path, [(spec["classes"][i], float(row[i])) for i in best]
+    batches = [files[i:i + batch_size] for i in range(0, len(files), batch_size)]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(_decoded, batches[0], spec) if batches else None
+        for index in range(len(batches)):
+            ready, pixels, failed = pending.result()
+            if index + 1 < len(batches):
+                pending = pool.submit(_decoded, batches[index + 1], spec)
+            yield from failed
+            if not pixels:
+                continue
+            logits = logits_of(to_input(np.stack(pixels), spec))
+            probabilities = softmax(np.asarray(logits, dtype=np.float64))
+            for path, row in zip(ready, probabilities):
+                best = np.argsort(-row)[:top_k]
+                yield path, [(spec["classes"][i], float(row[i])) for i in best]
 
 
 def main(paths, spec: dict, logits_of) -> int:
