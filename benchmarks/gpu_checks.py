@@ -3,12 +3,16 @@
     .venv/bin/python benchmarks/gpu_checks.py [--out DIR]
 
 1. AMP against fp32 on resnet18 at 224x224 (the digits, upsampled): training samples per second
-   and the allocator's peak memory of each, from one `pipeline train` run (both models, same
-   seed and data order).
-2. `--deterministic` on CUDA: two runs of the same configuration end with the same weights.
-3. A run started in bf16 on the CPU and resumed on CUDA keeps bf16 (what it was started with).
-4. The default chain, `pipeline train quantize report`, with training on CUDA.
-5. Two-GPU DDP through torchrun, where there are two GPUs; and one rank that fails makes every
+   (AMP at least 1.5x fp32's) and the allocator's peak memory of each (AMP's lower), from one
+   `pipeline train` run (both models, same seed and data order).
+2. The report's GPU rows for that run at batch 64: `amp@cuda` (float16, as trained) at least
+   1.5x faster than `fp32@cuda` eager, with a lower allocator peak and top-1 agreement with fp32
+   of at least 99.5%.
+3. `--deterministic` on CUDA: two runs of the same configuration end with the same weights.
+4. A run started in bf16 on the CPU and resumed on CUDA keeps bf16 (what it was started with).
+5. The default chain, `pipeline train quantize report`, with training on CUDA: its report has
+   the GPU rows and a GPU recommendation beside the CPU one.
+6. Two-GPU DDP through torchrun, where there are two GPUs; and one rank that fails makes every
    rank exit non-zero promptly.
 
 Each check prints one line (PASS/FAIL and its numbers); all of them go to DIR/gpu_checks.json.
@@ -58,7 +62,7 @@ def amp_speed_and_memory(artifacts: Path) -> dict:
         return {"ok": False, "error": out[-2000:]}
     results = training_results(artifacts, "amp224")
     fp32, amp = results["fp32"], results["amp"]
-    return {"ok": amp["samples_per_second"] > fp32["samples_per_second"]
+    return {"ok": amp["samples_per_second"] >= 1.5 * fp32["samples_per_second"]
             and amp["peak_memory_bytes"] < fp32["peak_memory_bytes"],
             "precision": amp.get("precision"), "seconds": seconds,
             "fp32_samples_per_second": fp32["samples_per_second"],
@@ -111,10 +115,42 @@ def default_chain(artifacts: Path) -> dict:
     if code != 0 or not report.is_file():
         return {"ok": False, "error": out[-2000:]}
     data = json.loads(report.read_text())
-    return {"ok": True, "seconds": seconds, "recommended": data["verdict"]["recommended"],
+    gpu_rows = [m["name"] for m in data["models"] if m.get("device") == "cuda"]
+    return {"ok": {"fp32@cuda", "amp@cuda", "fp32-compiled@cuda"} <= set(gpu_rows)
+            and data["verdict"].get("gpu") is not None, "seconds": seconds,
+            "recommended_cpu": data["verdict"]["recommended"],
+            "recommended_gpu": (data["verdict"].get("gpu") or {}).get("recommended"),
+            "gpu_rows": gpu_rows, "gpu_note": data["environment"].get("gpu_note"),
             "training": {k: {"precision": v.get("precision"),
                              "samples_per_second": v.get("samples_per_second")}
                          for k, v in data["training"].items()}}
+
+
+def amp_serving_against_fp32(artifacts: Path) -> dict:
+    """The report's GPU rows for the 224x224 resnet18 of amp_speed_and_memory, at batch 64:
+    amp served in float16 against fp32 eager, latency, allocator peak and top-1 agreement."""
+    if not (artifacts / "runs" / "amp224").is_dir():
+        return {"ok": False, "error": "amp_speed_and_memory did not leave its run"}
+    code, out, seconds = sh(PIPELINE + ["--artifacts-dir", str(artifacts), "--run", "amp224",
+                                        "--device", "cuda", "--quiet", "report",
+                                        "--batch-sizes", "64"])
+    if code != 0:
+        return {"ok": False, "error": out[-2000:]}
+    data = json.loads((artifacts / "runs" / "amp224" / "report" / "report.json").read_text())
+    rows = {m["name"]: m for m in data["models"]}
+    if not {"fp32@cuda", "amp@cuda"} <= set(rows):
+        return {"ok": False, "error": f"no GPU rows: {data['environment'].get('gpu_note')}"}
+    fp32, amp = rows["fp32@cuda"], rows["amp@cuda"]
+    speedup = fp32["latency_ms"]["64"]["p50"] / amp["latency_ms"]["64"]["p50"]
+    return {"ok": speedup >= 1.5 and amp["agreement"] >= 0.995
+            and amp["peak_gpu_memory_bytes"] < fp32["peak_gpu_memory_bytes"],
+            "seconds": seconds, "amp_serving": amp["serving"],
+            "fp32_p50_ms": fp32["latency_ms"]["64"]["p50"],
+            "amp_p50_ms": amp["latency_ms"]["64"]["p50"], "speedup": speedup,
+            "speedup_interval": amp["speedup_vs_reference"]["64"],
+            "agreement_with_fp32": amp["agreement"],
+            "fp32_peak_mb": fp32["peak_gpu_memory_bytes"] / 1e6,
+            "amp_peak_mb": amp["peak_gpu_memory_bytes"] / 1e6}
 
 
 def ddp(artifacts: Path) -> dict:
@@ -154,8 +190,8 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as scratch:
         artifacts = Path(scratch) / "artifacts"
-        for check in (amp_speed_and_memory, deterministic, cpu_bf16_resumed_on_cuda,
-                      default_chain, ddp):
+        for check in (amp_speed_and_memory, amp_serving_against_fp32, deterministic,
+                      cpu_bf16_resumed_on_cuda, default_chain, ddp):
             try:
                 results[check.__name__] = check(artifacts)
             except Exception as exc:  # one broken check must not hide the others' numbers

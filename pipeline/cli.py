@@ -99,7 +99,8 @@ def _build(ctx: click.Context, stage: str, flags: dict):
                    "other stages: an existing run (default: the latest). Under torchrun, whose "
                    "own parser takes --run for --run-path, set PIPELINE_RUN instead.")
 @click.option("--device", type=click.Choice(cfg.DEVICES), default="auto", show_default=True,
-              help="Where to train; reports always measure on the CPU.")
+              help="Where to train; the report measures every variant on the CPU and, where "
+                   "there is a CUDA device (unless cpu), the float models on the GPU too.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seeds initial weights, data order, splits and calibration samples.")
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False,
@@ -484,7 +485,8 @@ def quantize(ctx: click.Context, **flags) -> Processor:
 def report(ctx: click.Context, **flags) -> Processor:
     """Measure every variant the same way; write report.md, report.json and plots."""
     _take_run_options(ctx, flags)
-    flags |= {"quiet": ctx.obj["quiet"], "compare": flags["compare"] or None}
+    flags |= {"quiet": ctx.obj["quiet"], "compare": flags["compare"] or None,
+              "device": ctx.obj["device"]}
     config = _build(ctx, "report", flags)
 
     def process(run) -> None:

@@ -277,10 +277,12 @@ class ReportConfig:
     fail_under_speedup: float = 0.0  # against fp32 eager; 0: never fail
     fail_under_float_speedup: float = 0.0  # against the fastest float variant; 0: never fail
     compare: tuple[str, ...] = ()
+    device: str = "auto"  # auto: GPU rows too where there is a CUDA device; cpu: none
     quiet: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self)
+        _choice("--device", self.device, DEVICES)
         if isinstance(self.compare, str):
             self.compare = (self.compare,)
         self.compare = tuple(name.strip() for item in self.compare for name in item.split(",")

@@ -27,7 +27,7 @@ def test_default_chain_meets_the_size_and_accuracy_targets(tmp_path):
                           text=True, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     print("\n".join(line for line in proc.stderr.splitlines() if ": done in " in line))
-    assert "recommended: " in proc.stdout
+    assert "recommended on the CPU: " in proc.stdout
     report_md = Path(proc.stdout.strip().splitlines()[-1].removeprefix("report: "))
     report = json.loads(report_md.with_name("report.json").read_text())
     models = {m["name"]: m for m in report["models"]}

@@ -7,13 +7,18 @@ validation split and images calibration did not use); test accuracy is only repo
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
+import tempfile
 from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
 
 from stages import runtimes
 from stages.report import plots
 from stages.report.markdown import compare_markdown, markdown
+from stages.runtimes import gpu
 from stages.shared import machine, timing
 from stages.shared.artifacts import Run, atomic_write_json, atomic_write_text, open_run
 from stages.shared.data import SELECTION_WORDS, VALIDATION_WORDS, selection_set, splits_of_run
@@ -54,30 +59,47 @@ def judged_on_training_images(run: Run, name: str) -> bool:
     return _fitted_model(run, name) in ("fp32", "amp")
 
 
-def measure_variants(run: Run, config, threads: int) -> tuple[list[dict], dict]:
-    """Score every variant on the selection and test images, then time them all together."""
+def servings(run: Run, config, threads: int, scratch: Path) -> list[tuple[str, str, Callable]]:
+    """(row name, variant, loader) of every row: each variant on the CPU, and on a CUDA machine
+    (unless --device cpu) the float models as a GPU user serves them (stages/runtimes/gpu)."""
     present = [name for name in runtimes.VARIANTS if name in run.artifacts()]
     if not present:
         raise UsageError(f"run {run.name!r} has no model to report on; run 'pipeline train' first")
+    rows = [(name, name, functools.partial(runtimes.load, run, name, threads))
+            for name in present]
+    if gpu.wanted(config.device):
+        rows += [(row, variant, functools.partial(gpu.load, run, row, scratch))
+                 for row, variant in gpu.ROWS.items() if variant in present]
+    return rows
+
+
+def measure_variants(run: Run, config, threads: int, scratch: Path) -> tuple[list[dict], dict]:
+    """Score every variant on the selection and test images, then time them all together."""
     splits = splits_of_run(run)
     quantized_with = run.recorded_config("quantize")
     selection = selection_set(splits, quantized_with.get("calibration_samples", 512),
                               quantized_with.get("seed", 0))
     validation_images = len(selection.datasets[0])  # selection_set puts them first
-    rows, loaded, logits = [], {}, {}
-    for name in present:
+    rows, loaded, logits, unmeasured = [], {}, {}, []
+    for name, variant, load in servings(run, config, threads, scratch):
         say(f"report: loading and scoring {name} ...", quiet=config.quiet)
-        loaded[name] = runtimes.load(run, name, threads)
-        entry = run.entry(name)
-        val_logits, val_labels = predict_dataset(loaded[name].predict, selection)
-        test_logits, test_labels = predict_dataset(loaded[name].predict, splits.test)
+        made = load()
+        if made is None:
+            unmeasured.append(f"{name} not measured: ONNX Runtime here has no CUDA execution "
+                              "provider (install onnxruntime-gpu in place of onnxruntime)")
+            continue
+        loaded[name] = made
+        entry = run.entry(variant)
+        val_logits, val_labels = predict_dataset(made.predict, selection)
+        test_logits, test_labels = predict_dataset(made.predict, splits.test)
         logits[name] = test_logits
-        row = {"name": name, "format": entry["format"], "path": entry["path"],
-               "serving": loaded[name].serving, "int8": runtimes.VARIANTS[name].int8,
-               "size_bytes": run.shipped_bytes(name), "parent": entry.get("parent"),
-               "quantization": entry.get("quantization"), "op_counts": loaded[name].op_counts,
-               "test": _accuracy(_hits(test_logits, test_labels))}
-        judged_on = len(selection) if judged_on_training_images(run, name) else validation_images
+        row = {"name": name, "variant": variant, "device": made.device,
+               "format": entry["format"], "path": entry["path"], "serving": made.serving,
+               "int8": runtimes.VARIANTS[variant].int8, "size_bytes": run.shipped_bytes(variant),
+               "parent": entry.get("parent"), "quantization": entry.get("quantization"),
+               "op_counts": made.op_counts, "test": _accuracy(_hits(test_logits, test_labels))}
+        judged_on = (len(selection) if judged_on_training_images(run, variant)
+                     else validation_images)
         row["validation"] = _accuracy(_hits(val_logits, val_labels)[:judged_on]) | {
             "images": SELECTION_WORDS if judged_on == len(selection) else VALIDATION_WORDS}
         row["accuracy"], row["accuracy_ci95"] = row["test"]["accuracy"], row["test"]["ci95"]
@@ -87,6 +109,7 @@ def measure_variants(run: Run, config, threads: int) -> tuple[list[dict], dict]:
             top5 = test_logits.topk(5, dim=1).indices.eq(test_labels[:, None]).any(dim=1)
             row["top5_accuracy"] = float(top5.float().mean())
         rows.append(row)
+    present = [row["name"] for row in rows]
     reference = "fp32" if "fp32" in present else present[0]
     by_name = {row["name"]: row for row in rows}
     predictions = {name: logits[name].argmax(1) for name in present}
@@ -98,30 +121,55 @@ def measure_variants(run: Run, config, threads: int) -> tuple[list[dict], dict]:
             judged_on = row[split]["samples"]  # the same images of both
             row[split]["change_vs_reference"] = paired_difference_interval(
                 by_name[reference]["_hits"][split][:judged_on], row["_hits"][split][:judged_on])
-    timings = time_variants({n: loaded[n] for n in present}, splits, config)
+    timings = time_variants(loaded, splits, config)
     for row in rows:
         row["latency_ms"] = {b: t[row["name"]].summary() | {"rounds_ms": [
             [s * 1000 for s in calls] for calls in t[row["name"]].rounds]}
             for b, t in timings.items()}
         row.pop("_hits")
+        if row["device"] == "cuda" and loaded[row["name"]].timer == "cuda-events":
+            largest = timing.random_batch(splits.input_shape(max(config.batch_sizes)))
+            row["peak_gpu_memory_bytes"] = gpu.peak_memory(loaded[row["name"]].call_for(largest))
     speedups(rows, reference)
-    return rows, {"reference": reference, "parity": parity(run, logits)}
+    return rows, {"reference": reference, "parity": parity(run, logits),
+                  "unmeasured": unmeasured}
 
 
 def time_variants(loaded: dict, splits, config) -> dict[str, dict[str, timing.Timing]]:
-    """Every variant in the same interleaved rounds, batch size by batch size, until every
-    speed-up against the fastest float variant is known to within --target-interval."""
-    floats = {name for name in loaded if not runtimes.VARIANTS[name].int8}
-    timings = {}
-    for size in config.batch_sizes:
-        say(f"report: timing {len(loaded)} variants at batch {size} ...", quiet=config.quiet)
-        batch = timing.random_batch(splits.input_shape(size))
-        calls = {name: item.call_for(batch) for name, item in loaded.items()}
-        timings[str(size)] = timing.interleaved(
-            calls, config.rounds, config.repeats, config.warmup, max_rounds=config.max_rounds,
-            done=timing.narrow_enough(floats, config.target_interval),
-            budget_seconds=config.timing_budget)
+    """Every variant of a device in the same interleaved rounds, batch size by batch size,
+    until every speed-up against that device's fastest float variant is known to within
+    --target-interval. GPU rows are timed by CUDA events where they run on PyTorch's stream."""
+    timings: dict[str, dict[str, timing.Timing]] = {}
+    for device in sorted({item.device for item in loaded.values()}, key=DEVICES.index):
+        on_device = {name: item for name, item in loaded.items() if item.device == device}
+        floats = {name for name in on_device if not _is_int8(name)}
+        timers = {name: _timer(item) for name, item in on_device.items()}
+        for size in config.batch_sizes:
+            say(f"report: timing {len(on_device)} variants on the {device.upper()} at batch "
+                f"{size} ...", quiet=config.quiet)
+            batch = timing.random_batch(splits.input_shape(size))
+            calls = {name: item.call_for(batch) for name, item in on_device.items()}
+            timings.setdefault(str(size), {}).update(timing.interleaved(
+                calls, config.rounds, config.repeats, config.warmup,
+                max_rounds=config.max_rounds,
+                done=timing.narrow_enough(floats, config.target_interval),
+                budget_seconds=config.timing_budget, timers=timers))
     return timings
+
+
+DEVICES = ["cpu", "cuda"]
+
+
+def _is_int8(row_name: str) -> bool:
+    return runtimes.VARIANTS[gpu.ROWS.get(row_name, row_name)].int8
+
+
+def _timer(item):
+    if item.timer != "cuda-events":
+        return timing.wall_timer()
+    import torch
+
+    return timing.cuda_timer(lambda: torch.cuda.Event(enable_timing=True))
 
 
 def faster(slower: dict, row: dict, size: str) -> dict:
@@ -131,24 +179,44 @@ def faster(slower: dict, row: dict, size: str) -> dict:
                           timing.Timing(row["latency_ms"][size]["rounds_ms"]))
 
 
+def on_device(rows: list[dict], device: str) -> list[dict]:
+    return [row for row in rows if row.get("device", "cpu") == device]
+
+
+def device_reference(rows: list[dict], reference: str, device: str) -> str:
+    """`fp32` eager on the CPU; on the GPU, `fp32` eager there (or the first GPU row)."""
+    names = [row["name"] for row in on_device(rows, device)]
+    wanted = reference if device == "cpu" else gpu.REFERENCE
+    return wanted if wanted in names else names[0]
+
+
 def speedups(rows: list[dict], reference: str) -> None:
     """Each variant's speed-up against `fp32` eager and against the fastest float variant at
-    the same batch size, as ratios of medians with bootstrap intervals over the rounds."""
-    by_name = {row["name"]: row for row in rows}
-    for size in rows[0]["latency_ms"]:
-        best_float = min((r for r in rows if not r["int8"]),
-                         key=lambda r: r["latency_ms"][size]["p50"])
-        for row in rows:
-            row.setdefault("speedup_vs_reference", {})[size] = faster(by_name[reference], row,
-                                                                      size)
-            row.setdefault("speedup_vs_best_float", {})[size] = faster(best_float, row, size) | {
-                "best_float": best_float["name"]}
+    the same batch size on its own device, as ratios of medians with bootstrap intervals over
+    the rounds: a GPU row is never compared with a CPU one."""
+    for device in DEVICES:
+        group = on_device(rows, device)
+        if not group:
+            continue
+        own_reference = {row["name"]: row for row in group}[
+            device_reference(rows, reference, device)]
+        for size in group[0]["latency_ms"]:
+            best_float = min((r for r in group if not r["int8"]),
+                             key=lambda r: r["latency_ms"][size]["p50"])
+            for row in group:
+                row.setdefault("speedup_vs_reference", {})[size] = faster(own_reference, row,
+                                                                          size)
+                row.setdefault("speedup_vs_best_float", {})[size] = faster(
+                    best_float, row, size) | {"best_float": best_float["name"]}
 
 
 def parity(run: Run, logits: dict) -> list[dict]:
-    """Each variant against its float source, and PyTorch's int8 against ONNX Runtime's."""
-    pairs = [(runtimes.VARIANTS[n].source and run.entry(n).get("parent"), n) for n in logits]
+    """Each variant against its float source, PyTorch's int8 against ONNX Runtime's, and each
+    GPU row against the same model on the CPU."""
+    pairs = [(runtimes.VARIANTS[n].source and run.entry(n).get("parent"), n) for n in logits
+             if n in runtimes.VARIANTS]
     pairs += [("torch-static", "ort-static"), ("torch-qat", "ort-qat")]
+    pairs += [(gpu.ROWS[n], n) for n in logits if n in gpu.ROWS]
     found = []
     for a, b in pairs:
         if a in logits and b in logits:
@@ -286,13 +354,22 @@ def _histories(run: Run) -> dict[str, list[dict]]:
     return histories
 
 
+def _gpu_note(config, gpu_rows: list[dict], unmeasured: list[str]) -> str:
+    if gpu_rows:
+        return "; ".join(unmeasured)
+    if config.device == "cpu":
+        return "GPU rows not measured: --device cpu"
+    return "no GPU: GPU rows not measured (PyTorch finds no CUDA device here)"
+
+
 def run(config, run: Run) -> dict:
     import torch
 
     threads = config.threads or min(os.cpu_count() or 1, 8)
     torch.set_num_threads(threads)
     compared = [open_run(run.artifacts_dir, name) for name in config.compare if name != run.name]
-    rows, measured = measure_variants(run, config, threads)
+    with tempfile.TemporaryDirectory() as scratch:
+        rows, measured = measure_variants(run, config, threads, Path(scratch))
     reference = measured["reference"]
     training = training_rows(run)
     histories = _histories(run)
@@ -306,11 +383,17 @@ def run(config, run: Run) -> dict:
         plots.training_curves(histories, folder / "training-curves.png")
     else:
         figures.pop("training-curves.png")
+    gpu_rows = on_device(rows, "cuda")
+    environment |= {"gpu": gpu.name(), "gpu_rows": bool(gpu_rows),
+                    "gpu_note": _gpu_note(config, gpu_rows, measured["unmeasured"])}
     report = {
         "run": run.name, "reference": reference,
         "config": asdict(config) | {"threads": threads}, "models": rows,
         "training": training, "training_history": histories,
-        "verdict": verdict(rows, reference, config.max_accuracy_drop),
+        "verdict": verdict(on_device(rows, "cpu"), reference, config.max_accuracy_drop) | {
+            "device": "cpu",
+            "gpu": verdict(gpu_rows, device_reference(rows, reference, "cuda"),
+                           config.max_accuracy_drop) | {"device": "cuda"} if gpu_rows else None},
         "warnings": warnings_for(rows, reference, config.max_accuracy_drop, training)
         + parity_warnings(measured["parity"]) + isa_note(environment),
         "parity": measured["parity"], "figures": figures, "environment": environment,
@@ -347,20 +430,23 @@ def check_gates(config, v: dict, folder) -> None:
 def summary_table(report: dict) -> str:
     """The few numbers printed at the end of `pipeline report`."""
     sizes = [str(b) for b in report["config"]["batch_sizes"]]
-    header = f"{'variant':<15}{'MB':>8}{'test acc':>10}" + "".join(
+    header = f"{'variant':<20}{'device':>7}{'MB':>8}{'test acc':>10}" + "".join(
         f"{'ms@' + b:>10}" for b in sizes) + f"{'vs best float':>15}"
     lines = [header]
     for r in report["models"]:
         ratio = r["speedup_vs_best_float"][sizes[-1]]["ratio"]
-        lines.append(f"{r['name']:<15}{r['size_bytes'] / 1e6:>8.2f}{r['accuracy']:>10.2%}"
+        lines.append(f"{r['name']:<20}{r.get('device', 'cpu'):>7}{r['size_bytes'] / 1e6:>8.2f}"
+                     f"{r['accuracy']:>10.2%}"
                      + "".join(f"{r['latency_ms'][b]['p50']:>10.2f}" for b in sizes)
                      + f"{ratio:>14.2f}x")
-    v = report["verdict"]
-    lines.append(f"recommended: {v['recommended']} ({v['speedup']:.2f}x faster than "
-                 f"{v['reference']}, {v['speedup_vs_best_float']:.2f}x the fastest float, "
-                 f"{v['size_ratio']:.2f}x the size, {v['accuracy_change_points']:+.2f} points "
-                 "on the test split)")
-    return "\n".join(lines)
+    for v in filter(None, (report["verdict"], report["verdict"].get("gpu"))):
+        lines.append(f"recommended on the {v.get('device', 'cpu').upper()}: {v['recommended']} "
+                     f"({v['speedup']:.2f}x faster than {v['reference']}, "
+                     f"{v['speedup_vs_best_float']:.2f}x the fastest float, "
+                     f"{v['size_ratio']:.2f}x the size, {v['accuracy_change_points']:+.2f} "
+                     "points on the test split)")
+    note = report["environment"].get("gpu_note")
+    return "\n".join(lines + ([note] if note and not report["verdict"].get("gpu") else []))
 
 
 __all__ = ["run", "summary_table", "compare_markdown", "open_run"]

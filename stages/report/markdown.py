@@ -29,7 +29,8 @@ def _verdict_paragraph(report: dict) -> list[str]:
     where = ("the validation split and training images calibration did not use"
              if judged["images"] == SELECTION_WORDS else "the validation split")
     lines = [
-        f"**Ship `{v['recommended']}`** for batches of {v['batch_size']}. Of the variants "
+        f"**Ship `{v['recommended']}`** for batches of {v['batch_size']} on the CPU. Of the "
+        "variants "
         f"within {v['max_accuracy_drop_points']:g} point(s) of `{ref}` on held-out images "
         f"({judged['samples']} for it: {where}), it has the lowest p50 latency: "
         f"{_ratio(big['speedup_vs_best_float'])} faster than the "
@@ -69,16 +70,18 @@ def _models_table(report: dict) -> list[str]:
     by_name = {r["name"]: r for r in rows}
     sizes = [str(b) for b in report["config"]["batch_sizes"]]
     big = sizes[-1]
-    head = ["variant", "runs as", "size (MB)", "size vs fp32"]
+    head = ["variant", "device", "runs as", "size (MB)", "size vs fp32"]
     head += [f"p50 / p90 ms (batch {b})" for b in sizes]
-    head += [f"vs `{ref}` (batch {big})", f"vs fastest float (batch {big})",
+    head += [f"vs `{ref}` on its device (batch {big})",
+             f"vs fastest float on its device (batch {big})",
              "held-out accuracy (images)", "test accuracy (95% CI)",
              "test change in points (95% CI)",
              f"agreement with `{ref}`"]
     lines = ["## Models", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         change = r["test"]["change_vs_reference"]
-        cells = [f"`{r['name']}`", r["serving"], f"{r['size_bytes'] / 1e6:.2f}",
+        cells = [f"`{r['name']}`", r.get("device", "cpu").upper(), r["serving"],
+                 f"{r['size_bytes'] / 1e6:.2f}",
                  f"{r['size_bytes'] / by_name[ref]['size_bytes']:.2f}x"]
         cells += [f"{r['latency_ms'][b]['p50']:.2f} / {r['latency_ms'][b]['p90']:.2f}"
                   for b in sizes]
@@ -191,8 +194,26 @@ def _training(report: dict) -> list[str]:
     return lines
 
 
+def _gpu_paragraph(report: dict) -> list[str]:
+    """The GPU's recommendation, or why there are no GPU rows."""
+    v = report["verdict"].get("gpu")
+    if not v:
+        note = report["environment"].get("gpu_note")
+        return [f"{note[0].upper()}{note[1:]}.", ""] if note else []
+    big = v["per_batch_size"][str(v["batch_size"])]
+    lines = [f"**On the GPU** ({report['environment'].get('gpu')}), for batches of "
+             f"{v['batch_size']}: `{v['recommended']}`, {_ratio(big['speedup_vs_reference'])} "
+             f"faster than `{v['reference']}` and {_ratio(big['speedup_vs_best_float'])} "
+             f"against the fastest float there, `{big['best_float']}`; "
+             f"{v['accuracy_change_points']:+.2f} points against `{report['reference']}` on "
+             "the test split. GPU rows are compared with GPU rows only.", ""]
+    note = report["environment"].get("gpu_note")
+    return lines + ([f"{note[0].upper()}{note[1:]}.", ""] if note else [])
+
+
 def markdown(report: dict) -> str:
     lines = [f"# Report for run `{report['run']}`", ""] + _verdict_paragraph(report)
+    lines += _gpu_paragraph(report)
     if report["warnings"]:
         lines += ["## Warnings", ""] + [f"- {w}" for w in report["warnings"]] + [""]
     lines += _models_table(report)

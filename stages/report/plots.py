@@ -40,10 +40,12 @@ def pareto_front(points: list[tuple[float, float, str]]) -> list[str]:
 
 
 def _style(rows: list[dict]) -> dict[str, dict]:
-    """A colour per runtime, a marker per variant, filled for float and hollow for int8."""
+    """A colour per runtime (one of its own for every GPU row, so that a GPU time is never read
+    as a CPU one), a marker per variant, filled for float and hollow for int8."""
     styles = {}
     for i, row in enumerate(rows):
-        colour = RUNTIME_COLOURS.get(row["format"], "tab:gray")
+        colour = ("tab:purple" if row.get("device", "cpu") == "cuda"
+                  else RUNTIME_COLOURS.get(row["format"], "tab:gray"))
         styles[row["name"]] = {"color": colour, "marker": MARKERS[i % len(MARKERS)],
                                "facecolors": "none" if row["int8"] else colour}
     return styles
@@ -97,7 +99,9 @@ def speedup_and_size(rows: list[dict], reference: str, path: Path) -> None:
         for i, (v, x) in enumerate(zip(values, ratios)):  # beyond the whisker, not on it
             ax.text(max(v, x["high"]), i, f" {v:.2f}x", va="center", fontsize=7)
         ax.set_xlim(0, max(x["high"] for x in ratios) * 1.18)
-        ax.set_title(f"speed-up vs fastest float, batch {size}", fontsize=9)
+        ax.set_title(f"speed-up vs fastest float on its device, batch {size}"
+                     + ("\n(rows @cuda: on the GPU)" if any("@" in n for n in names) else ""),
+                     fontsize=9)
         ax.invert_yaxis()
     sizes_ratio = [r["size_bytes"] / ref["size_bytes"] for r in rows]
     ax = axes[-1]

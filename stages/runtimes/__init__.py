@@ -29,12 +29,14 @@ class Variant:
 
 @dataclass
 class Loaded:
-    """A variant ready to run on the CPU."""
+    """A variant ready to run, on the CPU unless it says otherwise."""
 
     predict: Callable  # float images (N, C, H, W) -> logits, a float32 CPU tensor
-    call_for: Callable  # a batch -> a call without arguments, which bench times
+    call_for: Callable  # a batch -> a call without arguments, which the harness times
     op_counts: dict  # {"Conv": {"int8": n, "float": m}, ...}, of what really runs
     serving: str  # how it runs, in words, for the report
+    device: str = "cpu"
+    timer: str = "wall"  # "wall": the host's clock; "cuda-events": the GPU's (stages/runtimes/gpu)
 
 
 FLOAT = "float"  # a source that means the run's float model: amp, or an imported fp32

@@ -94,7 +94,9 @@ def interleaved(calls: dict[str, Callable[[], object]], rounds: int, repeats: in
                 done: Callable[[dict[str, Timing]], bool] | None = None,
                 budget_seconds: float | None = None,
                 clock: Callable[[], float] = time.perf_counter,
-                idle: Callable[[], float] = wait_until_idle) -> dict[str, Timing]:
+                idle: Callable[[], float] = wait_until_idle,
+                timers: dict[str, Callable[[Callable], float]] | None = None
+                ) -> dict[str, Timing]:
     """Time every call in at least ``rounds`` rounds, rotating the order each round.
 
     ``repeats`` timed calls per variant and round, or 0 for as many as fill ROUND_SECONDS
@@ -103,13 +105,13 @@ def interleaved(calls: dict[str, Callable[[], object]], rounds: int, repeats: in
     holds, or until ``max_rounds`` are timed or, past ``rounds``, ``budget_seconds`` have
     passed since timing began."""
     names = list(calls)
+    wall = wall_timer(clock)
+    timer = {name: (timers or {}).get(name, wall) for name in names}
     counts, warm = {}, {}
     for name in names:
         for _ in range(warmup):
             calls[name]()
-        t0 = clock()
-        calls[name]()
-        seconds = clock() - t0
+        seconds = timer[name](calls[name])
         counts[name] = repeats or calls_per_round(seconds)
         warm[name] = seconds < NO_WARM_CALL_OVER
     limit = max(rounds, max_rounds or rounds) if done is not None else rounds
@@ -131,9 +133,7 @@ def interleaved(calls: dict[str, Callable[[], object]], rounds: int, repeats: in
                 if warm[name]:
                     call()  # untimed: brings this variant's weights back into the caches
                 for _ in range(counts[name]):
-                    t0 = clock()
-                    call()
-                    seconds.append(clock() - t0)
+                    seconds.append(timer[name](call))
                 timings[name].rounds.append(seconds)
                 timings[name].idle_waits.append(waited)
             if was_enabled:
@@ -151,6 +151,32 @@ def interleaved(calls: dict[str, Callable[[], object]], rounds: int, repeats: in
         if was_enabled:
             gc.enable()
     return timings
+
+
+def wall_timer(clock: Callable[[], float] = time.perf_counter) -> Callable[[Callable], float]:
+    """Seconds one call takes on the host's clock: what a CPU variant costs."""
+    def time_call(call: Callable) -> float:
+        started = clock()
+        call()
+        return clock() - started
+
+    return time_call
+
+
+def cuda_timer(event: Callable[[], object]) -> Callable[[Callable], float]:
+    """Seconds one call takes on the GPU: CUDA events recorded on the stream before and after
+    it, the stream synchronized on the second, so that the time is the kernels' and not the
+    launch's (a call returns as soon as its kernels are queued). ``event`` makes an event:
+    ``lambda: torch.cuda.Event(enable_timing=True)``."""
+    def time_call(call: Callable) -> float:
+        start, end = event(), event()
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0  # CUDA events measure milliseconds
+
+    return time_call
 
 
 def _pooled_medians(timing: Timing, picks) -> "numpy.ndarray":

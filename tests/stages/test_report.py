@@ -6,6 +6,7 @@ import pytest
 
 from stages import report
 from stages.report import plots
+from stages.report.markdown import markdown
 from stages.shared import timing
 from tests.conftest import ALL_VARIANTS
 
@@ -172,8 +173,10 @@ def test_report_markdown_says_what_it_chose_on_and_what_it_measured(tiny_run):
     assert markdown_text.startswith("# Report for run `tiny`")
     v = data["verdict"]
     big = v["per_batch_size"]["32"]
-    assert (f"**Ship `{v['recommended']}`** for batches of 32. Of the variants within 1 "
-            "point(s) of `fp32` on held-out images (") in markdown_text
+    assert (f"**Ship `{v['recommended']}`** for batches of 32 on the CPU. Of the variants "
+            "within 1 point(s) of `fp32` on held-out images (") in markdown_text
+    assert ("No GPU: GPU rows not measured (PyTorch finds no CUDA device here)."
+            in markdown_text) != torch_has_cuda()
     assert (f"{big['speedup_vs_best_float']['ratio']:.2f}x "
             f"({big['speedup_vs_best_float']['low']:.2f}–"
             f"{big['speedup_vs_best_float']['high']:.2f}) faster than the fastest float "
@@ -186,7 +189,7 @@ def test_report_markdown_says_what_it_chose_on_and_what_it_measured(tiny_run):
         latency = model["latency_ms"]
         cells = " | ".join(f"{latency[b]['p50']:.2f} / {latency[b]['p90']:.2f}"
                            for b in ("1", "32"))
-        assert f"| `{model['name']}` | {model['serving']} | " in markdown_text
+        assert f"| `{model['name']}` | CPU | {model['serving']} | " in markdown_text
         assert cells in markdown_text, model["name"]
     assert "master weights are fp32" in markdown_text
     assert "rotated each round" in markdown_text
@@ -209,6 +212,55 @@ def test_the_pareto_front_keeps_what_nothing_beats_on_both_counts():
     assert plots.pareto_front(points) == ["openvino-int8"]
     points.append((3.0, 20.0, "tiny-slow"))
     assert plots.pareto_front(points) == ["openvino-int8", "tiny-slow"]
+
+
+def torch_has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def test_gpu_rows_are_set_apart_from_cpu_rows_in_the_verdict_and_the_markdown(tiny_run):
+    """A report with GPU rows, made from the tiny run's recorded one: `fp32@cuda` and
+    `amp@cuda` as a CUDA machine would add them (fp32's CPU times divided by ten and by
+    fifteen). The CPU's recommendation is unchanged, the GPU gets its own, and no row is compared
+    with a row of the other device."""
+    import copy
+
+    data = copy.deepcopy(tiny_run["report"])
+    cpu_rows = data["models"]
+    scale = {"fp32@cuda": 0.1, "amp@cuda": 1 / 15}
+    gpu_rows = []
+    for name, variant in (("fp32@cuda", "fp32"), ("amp@cuda", "amp")):
+        row = copy.deepcopy(next(r for r in cpu_rows if r["name"] == variant))
+        row["latency_ms"] = copy.deepcopy(cpu_rows[0]["latency_ms"])  # fp32's, then scaled
+        row |= {"name": name, "variant": variant, "device": "cuda",
+                "serving": "eager PyTorch on CUDA", "peak_gpu_memory_bytes": 1 << 20}
+        for stats in row["latency_ms"].values():
+            stats["rounds_ms"] = [[ms * scale[name] for ms in r] for r in stats["rounds_ms"]]
+            stats["p50"] *= scale[name]
+        row.pop("speedup_vs_reference"), row.pop("speedup_vs_best_float")
+        gpu_rows.append(row)
+    for row in cpu_rows:
+        row.pop("speedup_vs_reference"), row.pop("speedup_vs_best_float")
+    rows = cpu_rows + gpu_rows
+    report.speedups(rows, "fp32")
+    assert gpu_rows[1]["speedup_vs_reference"]["32"]["ratio"] == pytest.approx(1.5)  # vs fp32@cuda
+    assert gpu_rows[0]["speedup_vs_best_float"]["32"]["best_float"] == "amp@cuda"
+    assert all(r["speedup_vs_best_float"]["32"]["best_float"] != "amp@cuda" for r in cpu_rows)
+    before = tiny_run["report"]["verdict"]["recommended"]
+    data["verdict"] = report.verdict(report.on_device(rows, "cpu"), "fp32", 1.0) | {
+        "device": "cpu", "gpu": report.verdict(gpu_rows, "fp32@cuda", 1.0) | {"device": "cuda"}}
+    data["models"] = rows
+    data["environment"] |= {"gpu": "NVIDIA H200", "gpu_rows": True, "gpu_note": ""}
+    assert data["verdict"]["recommended"] == before
+    assert data["verdict"]["gpu"]["recommended"] == "amp@cuda"
+    text = markdown(data)
+    assert "| `amp@cuda` | CUDA | eager PyTorch on CUDA |" in text
+    assert "| `fp32` | CPU |" in text
+    assert ("**On the GPU** (NVIDIA H200), for batches of 32: `amp@cuda`, 1.50x (1.50–1.50) "
+            "faster than `fp32@cuda`") in text
+    assert "recommended on the CUDA: amp@cuda" in report.summary_table(data)
 
 
 def test_accuracy_and_top5_are_counted_on_the_test_split_from_the_variant_itself(tiny_run):

@@ -129,3 +129,47 @@ def test_speedup_is_a_ratio_of_medians_with_an_interval_over_rounds():
     interval = timing.speedup(slow, varied)
     assert interval["low"] < 2.0 < interval["high"] and interval["ratio"] == pytest.approx(2.0)
     assert not timing.within_noise(interval) and timing.within_noise(timing.speedup(fast, varied))
+
+
+class FakeGpu:
+    """A GPU on a clock of its own: a call queues kernels that take ``ms`` of GPU time and
+    returns at once (as CUDA launches do); events read the GPU clock when the queue reaches
+    them, and synchronizing waits for the queue."""
+
+    def __init__(self) -> None:
+        self.queue_ends = 0.0  # GPU time at which everything queued so far is done
+        self.synchronized = 0
+
+    def launch(self, ms: float):
+        def call():
+            self.queue_ends += ms
+
+        return call
+
+    def event(self):
+        gpu = self
+
+        class Event:
+            def record(self):
+                self.at = gpu.queue_ends
+
+            def synchronize(self):
+                gpu.synchronized += 1
+
+            def elapsed_time(self, other):
+                return other.at - self.at
+
+        return Event()
+
+
+def test_gpu_calls_are_timed_by_cuda_events_not_by_the_host_clock():
+    gpu = FakeGpu()
+    host = [0.0]
+    timings = timing.interleaved(
+        {"fp16": gpu.launch(2.0), "fp32": gpu.launch(5.0)}, rounds=5, repeats=4, warmup=1,
+        clock=lambda: host[0], idle=lambda: 0.0,
+        timers={name: timing.cuda_timer(gpu.event) for name in ("fp16", "fp32")})
+    assert timings["fp16"].summary()["p50"] == pytest.approx(2.0)  # ms, the kernels' own
+    assert timings["fp32"].summary()["p50"] == pytest.approx(5.0)
+    assert gpu.synchronized == 2 * (1 + 5 * 4)  # every timed call waited for its kernels
+    assert timing.speedup(timings["fp32"], timings["fp16"])["ratio"] == pytest.approx(2.5)
