@@ -422,7 +422,11 @@ def qat(ctx: click.Context, **flags) -> Processor:
                    "keep the fastest within --max-accuracy-drop.")
 @click.option("--max-accuracy-drop", type=float, metavar="POINTS",
               help="Validation accuracy a static model may lose against its float source; "
-                   "beyond it, sensitive layers stay float.  [default: 1.0]")
+                   "beyond it, sensitive layers stay float, and a model that still misses it "
+                   "is not kept.  [default: 1.0]")
+@click.option("--tuning-time", metavar="DURATION",
+              help="Time each static backend's search may take (90s, 5m, 1h): what was not "
+                   "reached is not tried.  [default: no limit]")
 @_run_options
 @click.pass_context
 def quantize(ctx: click.Context, **flags) -> Processor:
@@ -450,7 +454,8 @@ def quantize(ctx: click.Context, **flags) -> Processor:
 
                 made += qat_stage.run(qat_config, run)
         for variant in made:
-            click.echo(f"{variant}: {run.root / run.entry(variant)['path']}")
+            if variant in run.artifacts():  # a search that kept nothing said so already
+                click.echo(f"{variant}: {run.root / run.entry(variant)['path']}")
 
     return "quantize", process
 

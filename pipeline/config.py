@@ -229,11 +229,16 @@ class QuantizeConfig:
     ort_format: str = "qdq"
     auto: bool = False
     max_accuracy_drop: float = 1.0
+    tuning_time: float | None = None  # seconds each static backend's search may take
     seed: int = 0
     quiet: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.tuning_time, str):
+            self.tuning_time = parse_duration("--tuning-time", self.tuning_time)
         _check_types(self)
+        if self.tuning_time is not None and not self.tuning_time > 0:
+            raise ValueError(f"--tuning-time must be a positive duration, got {self.tuning_time}")
         if isinstance(self.methods, str):
             self.methods = parse_methods(self.methods)
         self.methods = tuple(self.methods)
@@ -248,6 +253,25 @@ class QuantizeConfig:
         _choice("--ort-types", self.ort_types, ORT_TYPES)
         _choice("--ort-format", self.ort_format, ORT_FORMATS)
         _at_least("--max-accuracy-drop", self.max_accuracy_drop, 0.0)
+
+
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
+DURATION_FIELDS = ("tuning_time",)
+
+
+def parse_duration(flag: str, text: str) -> float:
+    """Seconds of '90', '90s', '5m', '1.5h'."""
+    cleaned = text.strip().lower()
+    unit = DURATION_UNITS.get(cleaned[-1:], None)
+    number = cleaned[:-1] if unit else cleaned
+    try:
+        seconds = float(number) * (unit or 1)
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} is not a duration; give one such as 90s, 5m or "
+                         "1h") from None
+    if not seconds > 0 or seconds != seconds or seconds == float("inf"):
+        raise ValueError(f"{flag} {text!r} is not a duration; give one such as 90s, 5m or 1h")
+    return seconds
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
@@ -378,6 +402,8 @@ def read_config_file(path: Path) -> dict[str, dict]:
             if key not in known:
                 raise ValueError(f"--config {path}: unknown key {key!r} in [{stage}]; known: "
                                  f"{', '.join(sorted(known))}")
+            if key in DURATION_FIELDS and isinstance(value, str):
+                continue  # a duration such as "5m": parsed, and refused, by its config
             problem = type_error(STAGE_CONFIGS[stage], {key: value})
             if problem:
                 raise ValueError(f"--config {path}: {key} in [{stage}] {problem}")

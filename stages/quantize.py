@@ -41,12 +41,14 @@ def run(config, run: Run) -> dict[str, dict]:
         for name in names:
             say(f"quantize: {name} ...", quiet=config.quiet)
             results[name] = runtimes.VARIANTS[name].make(ctx)
-            if name not in ctx.deferred:
+            if name not in ctx.deferred and name not in ctx.refused:
                 _made(run, name, config.quiet)
         for name, check in ctx.deferred.items():
             say(f"quantize: {name}: compiling and checking ...", quiet=config.quiet)
             check()
             _made(run, name, config.quiet)
+        run.record_config("quantize", run.recorded_config("quantize") | {
+            "not_kept": ctx.refused})
     return {name: results[name] for name in names}
 
 
@@ -62,6 +64,11 @@ def post_training_verdict(run: Run, names: list[str], budget_points: float) -> t
     --auto goes on to quantization-aware training only when none did."""
     drops = {}
     for name in names:
+        if name not in run.artifacts():  # searched, and nothing kept: its closest
+            closest = run.recorded_config("quantize").get("not_kept", {}).get(name)
+            if closest is not None:
+                drops[name] = float("inf")
+            continue
         tuning = run.entry(name).get("quantization", {}).get("tuning")
         if tuning:
             drops[name] = tuning["chosen"]["drop_points"]
@@ -72,6 +79,7 @@ def post_training_verdict(run: Run, names: list[str], budget_points: float) -> t
                        "training is needed")
     if not drops:
         return True, "no static int8 variant was made, so there is nothing for QAT to rescue"
-    losses = ", ".join(f"{n} {-d:+.2f}" for n, d in sorted(drops.items()))
+    losses = ", ".join(f"{n} {-d:+.2f}" if d != float("inf") else f"{n} not kept"
+                       for n, d in sorted(drops.items()))
     return False, (f"no post-training configuration kept within {budget_points:g} point(s) of "
                    f"the float model on the validation images ({losses} points)")

@@ -130,6 +130,7 @@ def _quantization(report: dict) -> list[str]:
         for t in record["tried"]:
             ms = f"{t['latency_ms_p50']:.2f}" if t["latency_ms_p50"] is not None else "-"
             lines.append(f"| {t['label']} | {0.0 - t['drop_points']:+.2f} | {ms} |")
+    lines += _sensitive_layers(report)
     if report["parity"]:
         lines += ["", "| parity on the test images | max logit difference | top-1 agreement |",
                   "|---|---|---|"]
@@ -138,6 +139,33 @@ def _quantization(report: dict) -> list[str]:
             lines.append(f"| `{p['b']}` vs `{p['a']}` | {p['max_abs_diff']:.3g} | "
                          f"{p['top1_agreement']:.2%}{flag} |")
     return lines + [""]
+
+
+def _sensitive_layers(report: dict) -> list[str]:
+    """The ten layers int8 hurt most, for each variant whose search ranked them, and what
+    keeping some in float cost."""
+    lines = []
+    for r in report["models"]:
+        fallback = ((r.get("quantization") or {}).get("tuning") or {}).get("fallback")
+        if not fallback or r.get("device", "cpu") != "cpu":
+            continue
+        kept = set(fallback["float_layers"])
+        key = "error" if fallback["ranking"] and "error" in fallback["ranking"][0] \
+            else "logit_mse_gain"
+        lines += ["", f"`{r['name']}`: the most sensitive layers, ranked by "
+                  f"{fallback['ranked_by']} ({fallback['stopped']}):", "",
+                  f"| layer | {'relative output error' if key == 'error' else 'logits brought back'}"
+                  " | kept in float |", "|---|---|---|"]
+        for item in fallback["ranking"][:10]:
+            lines.append(f"| {item['layer']} | {item[key]:.3g} | "
+                         f"{'yes' if item['layer'] in kept else '-'} |")
+        chosen = r["quantization"]["tuning"]["chosen"] or {}
+        if fallback.get("latency_ms_all_int8") and chosen.get("latency_ms_p50"):
+            lines += ["", f"Keeping {len(kept)} layer(s) in float took "
+                      f"{chosen['latency_ms_p50']:.2f} ms against "
+                      f"{fallback['latency_ms_all_int8']:.2f} ms with every layer in int8 "
+                      "(timed together at batch 32)."]
+    return lines
 
 
 def amp_sentence(training: dict, rows: list[dict]) -> str:

@@ -61,6 +61,7 @@ class QuantContext:
     # resets Dynamo, which throws every compiled model of the process away (each took 3 to
     # 15 s to compile, and the report in the same chain would compile them all again).
     deferred: dict = field(default_factory=dict)
+    refused: dict = field(default_factory=dict)  # variant -> why a search kept nothing
     defer_compiles: bool = False
 
     def after_exports(self, name: str, check) -> None:
@@ -118,6 +119,17 @@ class QuantContext:
         if name not in self._loaded:
             self._loaded[name] = runtimes.load(self.run, name, threads=1)
         return self._loaded[name].predict(images)
+
+    def not_kept(self, name: str, record: dict) -> dict:
+        """A search that found nothing within the budget keeps nothing: it says so in one line,
+        drops what an earlier quantize made under this name (it would be reported as if this
+        run had made it), and the stage's record in config.json says why, for the report."""
+        why = (f"not kept: nothing stayed within {record['budget_points']:g} point(s) of the "
+               f"float model on {record['images']} held-out training images ({record['why']})")
+        self.say(f"{name}: {why}")
+        self.run.unregister(name)
+        self.refused[name] = why
+        return {"not_kept": why, "tuning": record}
 
     def register(self, name: str, path: Path, info: dict, fmt: str, op_counts: dict,
                  companions: tuple[Path, ...] = ()) -> None:

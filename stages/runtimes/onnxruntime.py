@@ -16,11 +16,12 @@ from pathlib import Path
 
 from stages.runtimes import FLOAT, Loaded, declare, loader, onnx_export, variant
 from stages.runtimes.onnx_export import INPUT_NAME, OUTPUT_NAME
-from stages.shared import tuning
+from stages.shared import sensitivity, tuning
 from stages.shared.artifacts import atomic_path
 from stages.shared.errors import PipelineError
 from stages.shared.evaluate import compare_logits, predict
 from stages.shared.machine import cpu_has_vnni
+from stages.shared.sensitivity import Scheme
 
 ORT_TYPES = {"u8s8": ("QUInt8", "QInt8"), "s8s8": ("QInt8", "QInt8")}
 
@@ -154,6 +155,19 @@ def layer_groups(path: Path) -> dict[str, list[str]]:
     return groups
 
 
+def weight_sizes(path: Path, nodes: list[str]) -> list[int]:
+    """Elements of each named Conv/Gemm/MatMul node's weight (its second input), 0 where the
+    weight is not a stored tensor: what matches a node to a PyTorch layer."""
+    import math
+
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    shapes = {i.name: list(i.dims) for i in graph.initializer}
+    by_name = {n.name: n for n in graph.node}
+    return [math.prod(shapes.get(by_name[n].input[1], [0])) for n in nodes]
+
+
 def quantize_static(pre_processed: Path, path: Path, batches, options: dict,
                     nodes_to_exclude: list[str] | None = None) -> dict:
     """Static int8 of a pre-processed model, calibrated on ``batches`` of training images."""
@@ -252,7 +266,13 @@ def _static_backend(ctx, pre: Path) -> dict:
     return {"build": build,
             "predict": lambda path, images: ort_predict(ort_session(path, ctx.threads), images),
             "call": lambda path, batch: ort_call(ort_session(path, ctx.threads), batch),
-            "layers": lambda: list(groups)}
+            "layers": lambda: list(groups),
+            "errors": lambda options: sensitivity.by_position(
+                ctx.float_model(), sensitivity.layer_errors(
+                    ctx.float_model(), calibration, Scheme(
+                        per_channel=options["per_channel"],
+                        weight_bits=7 if options["reduce_range"] else 8)),
+                list(groups), weight_sizes(pre, list(groups)))}
 
 
 @variant("ort-static", runtime="onnxruntime", source="onnx-fp32", int8=True,
@@ -274,7 +294,10 @@ def make_static(ctx) -> dict:
     reference = ctx.reference(lambda images: ort_predict(ort_session(pre, ctx.threads), images))
     ctx.say("ort-static: scoring on the validation slice")
     trial, record = tuning.tune(_static_backend(ctx, pre), candidates, reference,
-                                config.max_accuracy_drop, say=ctx.say)
+                                config.max_accuracy_drop, say=ctx.say,
+                                seconds=config.tuning_time)
+    if trial is None:
+        return ctx.not_kept("ort-static", record)
     info = trial.options | {"float_layers": list(trial.float_layers), "tuning": record,
                             "calibration_samples": int(sum(len(b) for b in ctx.calibration())),
                             "calibration_split": "train", "pre_processed": True}

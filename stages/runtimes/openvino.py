@@ -15,10 +15,11 @@ import shutil
 from pathlib import Path
 
 from stages.runtimes import Loaded, loader, variant
-from stages.shared import tuning
+from stages.shared import sensitivity, tuning
 from stages.shared.artifacts import atomic_path
 from stages.shared.errors import PipelineError
 from stages.shared.evaluate import compare_logits
+from stages.shared.sensitivity import Scheme
 
 INPUT_NAME = "input"
 COMPUTE_LAYERS = {"Convolution": "Conv", "Deconvolution": "Conv", "FullyConnected": "Linear",
@@ -112,6 +113,14 @@ def layer_names(model) -> list[str]:
             if op.get_type_name() in COMPUTE_OPS]
 
 
+def weight_sizes(model) -> list[int]:
+    """Elements of each Conv/MatMul op's weight (its second input), in layer_names' order."""
+    import math
+
+    return [math.prod(op.input(1).get_partial_shape().to_shape())
+            for op in model.get_ordered_ops() if op.get_type_name() in COMPUTE_OPS]
+
+
 def _save_ir(model, xml: Path, scratch: Path) -> Path:
     """Write the IR pair under its real names: each file to a temporary name, fsynced and
     renamed, weights first so that a listed .xml never points at a missing .bin."""
@@ -161,7 +170,13 @@ def _int8_backend(ctx, fp32_model, calibration) -> dict:
     return {"build": build,
             "predict": lambda model, images: runner(model)[0](images),
             "call": lambda model, batch: runner(model)[1](batch),
-            "layers": lambda: layer_names(fp32_model)}
+            "layers": lambda: layer_names(fp32_model),
+            # NNCF's presets: weights per channel, 8 bits (its overflow fix halves only the
+            # first layer's range on CPUs without VNNI).
+            "errors": lambda options: sensitivity.by_position(
+                ctx.float_model(), sensitivity.layer_errors(ctx.float_model(), calibration,
+                                                            Scheme(per_channel=True)),
+                layer_names(fp32_model), weight_sizes(fp32_model))}
 
 
 @variant("openvino-int8", runtime="openvino", source="openvino-fp32", int8=True,
@@ -179,7 +194,10 @@ def make_int8(ctx) -> dict:
     ctx.say("openvino-int8: scoring on the validation slice")
     trial, record = tuning.tune(_int8_backend(ctx, fp32_model, calibration),
                                 [{"preset": p} for p in presets], reference,
-                                config.max_accuracy_drop, say=ctx.say)
+                                config.max_accuracy_drop, say=ctx.say,
+                                seconds=config.tuning_time)
+    if trial is None:
+        return ctx.not_kept("openvino-int8", record)
     xml = ctx.folder / "openvino-int8.xml"
     weights = _save_ir(trial.model, xml, ctx.scratch)
     images = ctx.check_images()

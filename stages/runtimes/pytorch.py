@@ -17,12 +17,13 @@ import re
 import warnings
 
 from stages.runtimes import FLOAT, Loaded, declare, graph_file, loader, torchao_patterns, variant
-from stages.shared import tuning
+from stages.shared import sensitivity, tuning
 from stages.shared.artifacts import atomic_torch_save, load_checkpoint, sha256_file
 from stages.shared.errors import PipelineError
 from stages.shared.evaluate import compare_logits, predict
 from stages.shared.machine import cpu_has_vnni
 from stages.shared.models import build_from_spec
+from stages.shared.sensitivity import Scheme
 
 # What Inductor emits for each kind of kernel (torch 2.14, torchao 0.18).
 KERNELS = {
@@ -368,7 +369,9 @@ def _backend(ctx, calibration) -> dict:
                 model, spec, options, calibration, float_layers, exported=exported()),
             "predict": lambda graph, images: predict(graph, images),
             "call": lambda graph, batch: _call(_compile(graph), batch),
-            "layers": lambda: layer_names(model)}
+            "layers": lambda: layer_names(model),
+            "errors": lambda options: sensitivity.layer_errors(model, calibration, Scheme(
+                per_channel=True, weight_bits=options.get("weight_bits", 8)))}
 
 
 def _finish(ctx, name: str, graph, recipe: dict, info: dict) -> dict:
@@ -430,7 +433,10 @@ def make_static(ctx) -> dict:
     reference = ctx.reference(lambda images: predict(ctx.float_model(), images))
     ctx.say("torch-static: scoring on the validation slice")
     trial, record = tuning.tune(_backend(ctx, calibration), candidates, reference,
-                                config.max_accuracy_drop, say=ctx.say)
+                                config.max_accuracy_drop, say=ctx.say,
+                                seconds=config.tuning_time)
+    if trial is None:
+        return ctx.not_kept("torch-static", record)
     recipe = {"options": trial.options, "float_layers": list(trial.float_layers)}
     return _finish(ctx, "torch-static", trial.model, recipe, recipe | {
         "tuning": record, "calibration_samples": int(sum(len(b) for b in calibration)),

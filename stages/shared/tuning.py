@@ -107,34 +107,62 @@ def choose(trials: list[Trial], budget_points: float) -> tuple[Trial | None, str
 FALLBACK_PATIENCE = 8
 
 
-def keep_sensitive_layers_float(backend: dict, options: dict, layers: list[str], reference: dict,
-                                budget_points: float,
-                                say: Callable[[str], None] = lambda _: None) -> dict:
-    """Rank layers by how much leaving each one alone in float brings the logits back, then keep
-    the most sensitive in float, one more at a time, until the accuracy budget holds; the pass
-    gives up after FALLBACK_PATIENCE layers in a row that do not help with those kept."""
+def _out_of_time(deadline: float | None) -> bool:
+    import time
+
+    return deadline is not None and time.monotonic() >= deadline
+
+
+def _rank_by_building(backend: dict, options: dict, layers: list[str], baseline: Trial,
+                      reference: dict, say, deadline) -> list[tuple[float, str]]:
+    """(gain, layer), each layer alone kept in float: one model built and scored per layer.
+    What the fallback does where a backend's layers cannot be matched to the one-pass errors."""
     import time
 
     started = time.perf_counter()
-    baseline = score(backend, options, (), reference)
-    each = time.perf_counter() - started
-    say(f"  ranking {len(layers)} layers: one model built and scored per layer, then one per "
-        f"layer kept (this model took {each:.1f} s to build and score: about "
-        f"{each * len(layers) / 60:.1f} min for the ranking)")
     gains = []
     for layer in layers:
+        if _out_of_time(deadline):
+            break
         trial = score(backend, options, (layer,), reference)
         gains.append((baseline.logit_mse - trial.logit_mse, layer))
-    ranked = sorted(gains, key=lambda g: -g[0])
+        if len(gains) == 1:
+            each = time.perf_counter() - started
+            say(f"  ranking {len(layers)} layers by building a model for each ({each:.1f} s "
+                f"each here: about {each * len(layers) / 60:.1f} min)")
+    return sorted(gains, key=lambda g: -g[0])
+
+
+def keep_sensitive_layers_float(backend: dict, options: dict, layers: list[str], reference: dict,
+                                budget_points: float,
+                                say: Callable[[str], None] = lambda _: None,
+                                errors: dict[str, float] | None = None,
+                                deadline: float | None = None) -> dict:
+    """Keep the most sensitive layers in float, one more at a time, until the accuracy budget
+    holds. Layers are ranked by ``errors`` (each layer's own quantization error, measured in
+    one pass: stages/shared/sensitivity.py) where given, else by building one model per layer.
+    The pass gives up after FALLBACK_PATIENCE layers in a row that do not bring the logits
+    closer, or at ``deadline`` (time.monotonic())."""
+    baseline = score(backend, options, (), reference)
+    if errors is not None:
+        ranked = sorted(((error, layer) for layer, error in errors.items()), key=lambda g: -g[0])
+        method = "one pass: each layer's own quantization error on calibration images"
+        say(f"  {len(layers)} layers ranked in one pass by their own quantization error "
+            f"(largest {ranked[0][1]}: {ranked[0][0]:.3g})")
+    else:
+        ranked = _rank_by_building(backend, options, layers, baseline, reference, say, deadline)
+        method = "one model per layer, each alone kept in float"
     kept: list[str] = []
-    trial, unhelpful = baseline, 0
+    trial, unhelpful, tried = baseline, 0, 0
     for _, layer in ranked:
         # A layer that does not help alone may still help with those kept (an outlier channel
         # and the convolution that reads it), so every layer stays a candidate until the
         # patience runs out.
-        if _within(trial, budget_points) or unhelpful == FALLBACK_PATIENCE:
+        if (_within(trial, budget_points) or unhelpful == FALLBACK_PATIENCE
+                or _out_of_time(deadline)):
             break
         candidate = score(backend, options, tuple(kept + [layer]), reference)
+        tried += 1
         say(f"  float: {', '.join(kept + [layer])} -> {0.0 - candidate.drop_points:+.2f} points")
         # A layer joins the float set only if it brings the logits closer: one that helps
         # neither alone nor with the others would cost speed for nothing.
@@ -147,20 +175,36 @@ def keep_sensitive_layers_float(backend: dict, options: dict, layers: list[str],
         stopped = "budget met"
     elif unhelpful == FALLBACK_PATIENCE:
         stopped = f"{FALLBACK_PATIENCE} layers in a row brought the logits no closer"
+    elif _out_of_time(deadline):
+        stopped = (f"--tuning-time spent: {tried} of {len(ranked)} ranked layers tried "
+                   f"({len(layers) - len(ranked)} not yet ranked)")
     else:
         stopped = "every layer was tried"
     say(f"  {len(kept)} layer(s) kept in float, {0.0 - trial.drop_points:+.2f} points: {stopped}")
-    return {"trial": trial, "met_budget": _within(trial, budget_points), "stopped": stopped,
-            "ranking": [{"layer": layer, "logit_mse_gain": gain} for gain, layer in ranked],
+    key = "error" if errors is not None else "logit_mse_gain"
+    return {"trial": trial, "all_int8": baseline, "met_budget": _within(trial, budget_points),
+            "stopped": stopped, "ranked_by": method,
+            "ranking": [{"layer": layer, key: value} for value, layer in ranked],
             "plain_drop_points": baseline.drop_points}
 
 
 def tune(backend: dict, candidates: list[dict], reference: dict, budget_points: float,
-         say: Callable[[str], None] = lambda _: None) -> tuple[Trial, dict]:
+         say: Callable[[str], None] = lambda _: None,
+         seconds: float | None = None) -> tuple[Trial | None, dict]:
     """Score every candidate, keep the fastest within the budget (timed only when there is a
-    choice); fall back to float layers if none meets it. Returns the chosen trial and a
-    record of what was tried and why it won."""
-    trials = [score(backend, options, (), reference) for options in candidates]
+    choice); fall back to float layers if none meets it. ``seconds`` (--tuning-time) bounds
+    the search: candidates and layers not reached in time are not tried, and the record says
+    so. Returns the chosen trial, or None where nothing met the budget (the caller keeps
+    nothing), and a record of what was tried and why."""
+    import time
+
+    deadline = time.monotonic() + seconds if seconds else None
+    trials = []
+    for options in candidates:
+        if trials and _out_of_time(deadline):
+            break
+        trials.append(score(backend, options, (), reference))
+    untried = [label(options) for options in candidates[len(trials):]]
     if len(trials) > 1:
         time_trials(backend, trials, tuple(reference["images"].shape[1:]))
     for trial in trials:
@@ -175,18 +219,28 @@ def tune(backend: dict, candidates: list[dict], reference: dict, budget_points: 
     record = {"cpu_flags": cpu_info()["flags"], "budget_points": budget_points,
               "split": "held-out training images (validation split and images calibration "
                        "did not use)",
-              "images": int(len(reference["labels"])),
-              "tried": [t.summary() for t in trials]}
-    if chosen is None:
+              "images": int(len(reference["labels"])), "seconds_allowed": seconds,
+              "tried": [t.summary() for t in trials], "not_tried": untried}
+    if untried:
+        why += f"; --tuning-time spent before {', '.join(untried)} could be tried"
+    if chosen is None and not _out_of_time(deadline):
         closest = min(trials, key=lambda t: t.drop_points)
         say(f"  {why}; keeping the most sensitive layers in float")
+        errors = backend.get("errors", lambda options: None)(closest.options)
         fallback = keep_sensitive_layers_float(backend, closest.options, backend["layers"](),
-                                               reference, budget_points, say)
-        chosen = fallback.pop("trial")
-        record["fallback"] = fallback | {"float_layers": list(chosen.float_layers)}
-        why += (f"; kept {len(chosen.float_layers)} layer(s) in float: "
-                + ("budget met" if fallback["met_budget"]
-                   else f"budget still missed ({fallback['stopped']})"))
-    record["chosen"] = chosen.summary()
+                                               reference, budget_points, say, errors, deadline)
+        found, all_int8 = fallback.pop("trial"), fallback.pop("all_int8")
+        record["fallback"] = fallback | {"float_layers": list(found.float_layers)}
+        if fallback["met_budget"]:
+            chosen = found
+            why += f"; kept {len(found.float_layers)} layer(s) in float: budget met"
+            if found.float_layers:  # what the float layers cost, timed beside all-int8
+                time_trials(backend, [all_int8, found], tuple(reference["images"].shape[1:]))
+                record["fallback"]["latency_ms_all_int8"] = all_int8.latency_ms
+        else:
+            why += (f"; with {len(found.float_layers)} layer(s) in float still "
+                    f"{0.0 - found.drop_points:+.2f} points ({fallback['stopped']})")
+            record["closest"] = found.summary()
+    record["chosen"] = chosen.summary() if chosen is not None else None
     record["why"] = why
     return chosen, record

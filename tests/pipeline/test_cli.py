@@ -30,6 +30,10 @@ def invoke(*args):
     (["qantize"], "No such command 'qantize'. (Did you mean one of: 'qat', 'quantize'?) "
                   "Commands: export, import, predict, qat, quantize, report, train."),
     (["import", "--model", "smallcnn"], "--weights is required"),
+    (["quantize", "--tuning-time", "5minutes"],
+     "--tuning-time '5minutes' is not a duration; give one such as 90s, 5m or 1h"),
+    (["predict", "/nonexistent/photo.png"], "/nonexistent/photo.png does not exist"),
+    (["export", "--variant", "fp32"], "Missing argument 'OUT_DIR'"),
     (["train", "--init-weights", "/nonexistent.pt"], "--init-weights '/nonexistent.pt' is not a file"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, needle):

@@ -7,7 +7,7 @@ import onnx
 import pytest
 import torch
 
-from pipeline.config import QuantizeConfig, TrainConfig
+from pipeline.config import QuantizeConfig, ReportConfig, TrainConfig
 from stages import quantize, runtimes, train
 from stages.runtimes import onnxruntime as ort_runtime
 from stages.runtimes import pytorch as torch_runtime
@@ -273,3 +273,28 @@ def test_compiled_kernels_that_depart_from_the_graph_are_recorded_and_said(
     assert kernels["samples"] == 128 and kernels["top1_agreement"] < 0.5
     assert (f"torch-static: compiled, its int8 kernels agree with the quantized graph on "
             f"{kernels['top1_agreement']:.1%} of 128 training images") in capsys.readouterr().err
+
+
+def test_a_search_that_finds_nothing_within_the_budget_keeps_nothing_and_says_why(
+        cheap_run, monkeypatch, capsys):
+    """A budget no configuration meets and no time for the fallback: ort-static is not kept
+    (not even the one an earlier quantize made), the stage says so in one line and goes on,
+    and the report says why."""
+    from stages import report
+    from stages.shared import tuning
+
+    assert "ort-static" in cheap_run.artifacts()  # made by the fixture's quantize
+    monkeypatch.setattr(tuning, "_within", lambda trial, budget: False)
+    quantize.run(QuantizeConfig(methods="ort-static", calibration_samples=64,
+                                tuning_time=0.001), cheap_run)
+    assert "ort-static" not in cheap_run.artifacts()
+    assert not (cheap_run.root / "quantize" / "ort-static.onnx").exists()
+    said = [line for line in capsys.readouterr().err.splitlines() if "not kept" in line]
+    assert len(said) == 1 and said[0].startswith(
+        "ort-static: not kept: nothing stayed within 1 point(s) of the float model on ")
+    why = json.loads((cheap_run.root / "config.json").read_text())["quantize"]["not_kept"]
+    assert list(why) == ["ort-static"]
+    data = report.run(ReportConfig(batch_sizes=(32,), rounds=3, max_rounds=3, repeats=7,
+                                   warmup=1, quiet=True), cheap_run)
+    assert "ort-static" not in [m["name"] for m in data["models"]]
+    assert f"ort-static was searched by quantize and {why['ort-static']}" in data["warnings"]

@@ -141,7 +141,7 @@ def test_labels_name_every_choice_a_configuration_makes():
     assert tuning.label({"per_channel": False, "weight_bits": 8}) == "per-tensor"
 
 
-def _scripted_fallback(monkeypatch, layers, logit_mse_of):
+def _scripted_fallback(monkeypatch, layers, logit_mse_of, errors=None, deadline=None):
     """keep_sensitive_layers_float with every trial scored by logit_mse_of(float_layers),
     each 0.01 of logit error costing one point; returns its record and the trials it built."""
     built = []
@@ -152,8 +152,56 @@ def _scripted_fallback(monkeypatch, layers, logit_mse_of):
         return tuning.Trial(options, tuple(float_layers), None, 0.9, mse * 100, mse, 0.9)
 
     monkeypatch.setattr(tuning, "score", score)
-    record = tuning.keep_sensitive_layers_float({}, {}, layers, {}, budget_points=1.0)
+    record = tuning.keep_sensitive_layers_float({}, {}, layers, {}, budget_points=1.0,
+                                                errors=errors, deadline=deadline)
     return record, built
+
+
+def test_with_one_pass_errors_the_fallback_builds_no_model_to_rank_layers(monkeypatch):
+    """30 layers: the per-layer ranking built 31 models before keeping any in float; ranked
+    by their own quantization error, the pass builds the all-int8 model and then one per
+    layer it tries, most sensitive first."""
+    layers = [f"conv{i}" for i in range(30)]
+    errors = {layer: 0.001 * i for i, layer in enumerate(layers)}  # conv29 the most sensitive
+
+    def logit_mse(float_layers):
+        return 0.03 - 0.011 * len({"conv29", "conv28"} & set(float_layers))
+
+    record, built = _scripted_fallback(monkeypatch, layers, logit_mse, errors=errors)
+    assert built == [(), ("conv29",), ("conv29", "conv28")]
+    assert record["met_budget"] and record["ranked_by"].startswith("one pass")
+    assert [r["layer"] for r in record["ranking"][:3]] == ["conv29", "conv28", "conv27"]
+    assert record["ranking"][0]["error"] == pytest.approx(0.029)
+
+
+def test_the_fallback_stops_when_its_time_is_spent(monkeypatch):
+    import time
+
+    layers = [f"conv{i}" for i in range(10)]
+    record, built = _scripted_fallback(monkeypatch, layers, lambda fl: 0.05,
+                                       errors={layer: 1.0 for layer in layers},
+                                       deadline=time.monotonic() - 1)
+    assert built == [()] and not record["met_budget"]
+    assert record["stopped"] == "--tuning-time spent: 0 of 10 ranked layers tried (0 not yet ranked)"
+
+
+def test_a_time_boxed_search_tries_what_it_can_and_keeps_nothing_outside_the_budget(monkeypatch):
+    def score(backend, options, float_layers, reference):
+        time.sleep(0.02)
+        return tuning.Trial(options, tuple(float_layers), None, 0.9, 3.0, 0.03, 0.9)
+
+    import time
+
+    monkeypatch.setattr(tuning, "score", score)
+    monkeypatch.setattr(tuning, "time_trials", lambda backend, trials, shape: None)
+    candidates = [{"types": "u8s8", "per_channel": pc} for pc in (False, True)]
+    chosen, record = tuning.tune({"layers": lambda: ["conv0"]}, candidates,
+                                 {"labels": [0] * 5, "images": torch.zeros(5, 1, 8, 8)}, 1.0,
+                                 seconds=0.01)
+    assert chosen is None and record["chosen"] is None
+    assert record["not_tried"] == ["u8s8 per-channel"] and len(record["tried"]) == 1
+    assert "fallback" not in record  # no time left for it
+    assert record["why"].endswith("--tuning-time spent before u8s8 per-channel could be tried")
 
 
 def test_a_layer_that_helps_only_with_another_is_still_tried(monkeypatch):
