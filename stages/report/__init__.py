@@ -21,7 +21,13 @@ from stages.report.markdown import compare_markdown, markdown
 from stages.runtimes import gpu
 from stages.shared import machine, timing
 from stages.shared.artifacts import Run, atomic_write_json, atomic_write_text, open_run
-from stages.shared.data import SELECTION_WORDS, VALIDATION_WORDS, selection_set, splits_of_run
+from stages.shared.data import (
+    SELECTION_WORDS,
+    VALIDATION_WORDS,
+    selection_set,
+    splits_of_run,
+    validation_halves,
+)
 from stages.shared.errors import PipelineError, UsageError
 from stages.shared.evaluate import PARITY_MIN_AGREEMENT, compare_logits, predict_dataset
 from stages.shared.progress import say
@@ -79,7 +85,9 @@ def measure_variants(run: Run, config, threads: int, scratch: Path) -> tuple[lis
     quantized_with = run.recorded_config("quantize")
     selection = selection_set(splits, quantized_with.get("calibration_samples", 512),
                               quantized_with.get("seed", 0))
-    validation_images = len(selection.datasets[0])  # selection_set puts them first
+    # selection_set puts the validation split first; a fine-tuned variant is judged on the half
+    # of it that qat did not choose its epoch on.
+    judging_half = validation_halves(len(selection.datasets[0]))[1]
     rows, loaded, logits, unmeasured = [], {}, {}, []
     for name, variant, load in servings(run, config, threads, scratch):
         say(f"report: loading and scoring {name} ...", quiet=config.quiet)
@@ -98,10 +106,11 @@ def measure_variants(run: Run, config, threads: int, scratch: Path) -> tuple[lis
                "int8": runtimes.VARIANTS[variant].int8, "size_bytes": run.shipped_bytes(variant),
                "parent": entry.get("parent"), "quantization": entry.get("quantization"),
                "op_counts": made.op_counts, "test": _accuracy(_hits(test_logits, test_labels))}
-        judged_on = (len(selection) if judged_on_training_images(run, variant)
-                     else validation_images)
-        row["validation"] = _accuracy(_hits(val_logits, val_labels)[:judged_on]) | {
-            "images": SELECTION_WORDS if judged_on == len(selection) else VALIDATION_WORDS}
+        on_training_images = judged_on_training_images(run, variant)
+        row["_judged"] = (list(range(len(selection))) if on_training_images else judging_half)
+        hits = _hits(val_logits, val_labels)
+        row["validation"] = _accuracy([hits[i] for i in row["_judged"]]) | {
+            "images": SELECTION_WORDS if on_training_images else VALIDATION_WORDS}
         row["accuracy"], row["accuracy_ci95"] = row["test"]["accuracy"], row["test"]["ci95"]
         row["_hits"] = {"validation": _hits(val_logits, val_labels),
                         "test": _hits(test_logits, test_labels)}
@@ -118,15 +127,16 @@ def measure_variants(run: Run, config, threads: int, scratch: Path) -> tuple[lis
         row["agreement"] = float(same.float().mean())
         row["flipped_predictions"] = int((~same).sum())
         for split in ("validation", "test"):
-            judged_on = row[split]["samples"]  # the same images of both
-            row[split]["change_vs_reference"] = paired_difference_interval(
-                by_name[reference]["_hits"][split][:judged_on], row["_hits"][split][:judged_on])
+            judged = row["_judged"] if split == "validation" else range(row[split]["samples"])
+            row[split]["change_vs_reference"] = paired_difference_interval(  # the same images
+                [by_name[reference]["_hits"][split][i] for i in judged],
+                [row["_hits"][split][i] for i in judged])
     timings = time_variants(loaded, splits, config)
     for row in rows:
         row["latency_ms"] = {b: t[row["name"]].summary() | {"rounds_ms": [
             [s * 1000 for s in calls] for calls in t[row["name"]].rounds]}
             for b, t in timings.items()}
-        row.pop("_hits")
+        row.pop("_hits"), row.pop("_judged")
         if row["device"] == "cuda" and loaded[row["name"]].timer == "cuda-events":
             largest = timing.random_batch(splits.input_shape(max(config.batch_sizes)))
             row["peak_gpu_memory_bytes"] = gpu.peak_memory(loaded[row["name"]].call_for(largest))

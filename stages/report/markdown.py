@@ -42,8 +42,9 @@ def _verdict_paragraph(report: dict) -> list[str]:
     fine_tuned = [m["name"] for m in report["models"]
                   if m["validation"]["images"] != SELECTION_WORDS]
     if fine_tuned:
-        lines += [f"Judged on the {models[fine_tuned[0]]['validation']['samples']} validation "
-                  f"images alone: {', '.join(f'`{n}`' for n in fine_tuned)}. Their weights were "
+        lines += [f"Judged on {models[fine_tuned[0]]['validation']['samples']} validation "
+                  f"images alone: {', '.join(f'`{n}`' for n in fine_tuned)}, the half of the "
+                  "validation split qat did not choose its epoch on. Their weights were "
                   "fine-tuned after training, so on training images they would differ from "
                   f"`{ref}` in how well they memorised them, not only in what quantization "
                   "changed.", ""]

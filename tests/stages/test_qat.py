@@ -72,26 +72,30 @@ def test_the_qat_stage_leaves_a_checked_int8_model(tiny_qat_run):
 @pytest.mark.slow
 def test_a_fine_tuned_model_is_judged_on_the_validation_split_alone(tiny_qat_run):
     from stages import runtimes
-    from stages.shared.data import splits_of_run
+    from stages.shared.data import splits_of_run, validation_halves
     from stages.shared.evaluate import predict_dataset
 
     run, data = tiny_qat_run["run"], tiny_qat_run["report"]
     splits = splits_of_run(run)
+    choosing, judging = validation_halves(len(splits.val))
+    assert not set(choosing) & set(judging) and len(judging) == len(splits.val) // 2
     models = {m["name"]: m for m in data["models"]}
     fine_tuned = {"torch-qat", "ort-qat"} & set(models)
     assert "torch-qat" in fine_tuned
     for name, model in models.items():
         judged = model["validation"]
         if name in fine_tuned:
-            assert (judged["samples"], judged["images"]) == (len(splits.val), "validation split")
+            assert (judged["samples"], judged["images"]) == (len(judging), (
+                "the half of the validation split qat did not choose its epoch on"))
         else:  # training images too
             assert judged["samples"] > len(splits.val), name
             assert judged["images"] == "validation split and held-out training images", name
             assert judged["change_vs_reference"]["difference"] == pytest.approx(
                 judged["accuracy"] - models["fp32"]["validation"]["accuracy"])
-    # Paired with fp32 on the same images: fp32's accuracy on the validation split alone.
+    # Paired with fp32 on the same images: fp32's accuracy on the judging half alone.
     logits, labels = predict_dataset(runtimes.load(run, "fp32", 1).predict, splits.val)
-    fp32_on_validation = (logits.argmax(1) == labels).sum().item() / len(labels)
+    hits = (logits.argmax(1) == labels)[judging]
+    fp32_on_validation = hits.sum().item() / len(judging)
     for name in fine_tuned:
         judged = models[name]["validation"]
         assert judged["change_vs_reference"]["difference"] == pytest.approx(
@@ -100,7 +104,8 @@ def test_a_fine_tuned_model_is_judged_on_the_validation_split_alone(tiny_qat_run
     assert verdict["chosen_on"] == models[verdict["recommended"]]["validation"]["images"]
     markdown_text = (run.root / "report" / "report.md").read_text()
     names = ", ".join(f"`{n}`" for n in ("torch-qat", "ort-qat") if n in fine_tuned)
-    assert f"validation images alone: {names}. Their weights were fine-tuned" in markdown_text
+    assert (f"Judged on {len(judging)} validation images alone: {names}, the half of the "
+            "validation split qat did not choose its epoch on.") in markdown_text
 
 
 @pytest.mark.slow
@@ -166,25 +171,28 @@ def test_batchnorm_statistics_of_the_qat_graph_are_recomputed_from_training_imag
 @pytest.mark.slow
 def test_validation_images_never_move_the_quantization_ranges(tmp_path, monkeypatch):
     """Each epoch is scored with the observers off, and the epoch kept is restored as scored:
-    ranges come from training images only."""
+    ranges come from training images only. The epochs are scored on the half of the validation
+    split that the report does not judge torch-qat on."""
     from stages import train
     from stages.shared import artifacts
 
     run = artifacts.create_run(tmp_path, "ranges")
     train.run(TrainConfig(**TINY_TRAIN | {"epochs": 1, "baseline": False}), run)
-    scored = []
+    scored, sizes = [], []
     real = qat.dataset_accuracy
 
     def spy(model, dataset, *args, **kwargs):
         flags = [m.observer_enabled for m in model.modules() if hasattr(m, "observer_enabled")]
         if flags:
             scored.append([int(f.item()) for f in flags])
+            sizes.append(len(dataset))
         return real(model, dataset, *args, **kwargs)
 
     monkeypatch.setattr(qat, "dataset_accuracy", spy)
     qat.run(QatConfig(epochs=2, freeze_bn_after=1, freeze_observers_after=2, quiet=True), run)
     assert len(scored) == 2  # one scoring per epoch, on the fake-quantized graph
     assert all(flag == 0 for flags in scored for flag in flags)
+    assert sizes == [72, 72]  # the half of the 144 validation images qat chooses on
 
 
 def _one_signed_conv_net():

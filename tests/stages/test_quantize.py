@@ -244,11 +244,13 @@ def test_auto_goes_on_to_qat_only_when_every_post_training_variant_misses_the_bu
 
     from stages.quantize import post_training_verdict
 
-    def run_with(drops):
+    def run_with(drops, not_kept=()):
         entries = {name: {"quantization": {"tuning": {"chosen": {"drop_points": drop}}}}
                    for name, drop in drops.items()}
         entries["onnx-fp32"] = {"quantization": {}}
-        return SimpleNamespace(entry=entries.__getitem__)
+        return SimpleNamespace(entry=entries.__getitem__, artifacts=lambda: entries,
+                               recorded_config=lambda stage: {"not_kept": {
+                                   name: "not kept: ..." for name in not_kept}})
 
     names = ["torch-static", "onnx-fp32", "ort-static"]
     met, why = post_training_verdict(run_with({"torch-static": 2.5, "ort-static": 0.4}), names, 1.0)
@@ -257,6 +259,9 @@ def test_auto_goes_on_to_qat_only_when_every_post_training_variant_misses_the_bu
     assert not met
     assert why == ("no post-training configuration kept within 1 point(s) of the float model on "
                    "the validation images (ort-static -1.20, torch-static -2.50 points)")
+    # A search that kept nothing counts as missing the budget.
+    met, why = post_training_verdict(run_with({"torch-static": 2.5}, ["ort-static"]), names, 1.0)
+    assert not met and why.endswith("(ort-static not kept, torch-static -2.50 points)")
 
 
 def test_compiled_kernels_that_depart_from_the_graph_are_recorded_and_said(
