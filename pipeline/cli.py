@@ -417,6 +417,10 @@ def qat(ctx: click.Context, **flags) -> Processor:
               help="ORT activation/weight types.  [default: u8s8]")
 @click.option("--ort-format", type=click.Choice(cfg.ORT_FORMATS),
               help="ORT static graph format; QOperator only on request.  [default: qdq]")
+@click.option("--equalize/--no-equalize", default=None,
+              help="Cross-layer equalization of the float model before torch-static and "
+                   "ort-static (outputs unchanged; evens per-channel weight ranges).  [default: "
+                   "with per-tensor weights; --auto also tries it for torch-static]")
 @click.option("--auto", is_flag=True, default=None,
               help="Try several static configurations per backend on held-out training images; "
                    "keep the fastest within --max-accuracy-drop.")
@@ -433,8 +437,9 @@ def quantize(ctx: click.Context, **flags) -> Processor:
     """Make the deployable variants of the run's float model (PyTorch, ONNX Runtime, OpenVINO)."""
     _take_run_options(ctx, flags)
     flags = _common(ctx, flags, "seed", "quiet")
-    if flags.get("per_channel") is not None:
-        flags["per_channel"] = bool(flags["per_channel"])
+    for switch in ("per_channel", "equalize"):
+        if flags.get(switch) is not None:
+            flags[switch] = bool(flags[switch])
     config = _build(ctx, "quantize", flags)
     # --auto falls back to QAT (with its own defaults) only when no post-training configuration
     # meets the budget; built here so a bad [qat] table stops early.

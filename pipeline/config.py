@@ -230,6 +230,9 @@ class QuantizeConfig:
     auto: bool = False
     max_accuracy_drop: float = 1.0
     tuning_time: float | None = None  # seconds each static backend's search may take
+    # Cross-layer equalization before torch-static and ort-static (stages/shared/equalization):
+    # None: where weights are per-tensor (ort-static's default), and tried by --auto elsewhere.
+    equalize: bool | None = None
     seed: int = 0
     quiet: bool = False
 

@@ -29,7 +29,12 @@ from stages.shared.data import (
     validation_halves,
 )
 from stages.shared.errors import PipelineError, UsageError
-from stages.shared.evaluate import PARITY_MIN_AGREEMENT, compare_logits, predict_dataset
+from stages.shared.evaluate import (
+    PARITY_MIN_AGREEMENT,
+    compare_logits,
+    predict_dataset,
+    top_k_hits,
+)
 from stages.shared.progress import say
 from stages.shared.stats import paired_difference_interval, wilson_interval
 
@@ -115,7 +120,7 @@ def measure_variants(run: Run, config, threads: int, scratch: Path) -> tuple[lis
         row["_hits"] = {"validation": _hits(val_logits, val_labels),
                         "test": _hits(test_logits, test_labels)}
         if splits.num_classes > 5:
-            top5 = test_logits.topk(5, dim=1).indices.eq(test_labels[:, None]).any(dim=1)
+            top5 = top_k_hits(test_logits, test_labels, 5)
             row["top5_accuracy"] = float(top5.float().mean())
         rows.append(row)
     present = [row["name"] for row in rows]

@@ -115,9 +115,8 @@ def _quantization(report: dict) -> list[str]:
     for r in report["models"]:
         info = r.get("quantization") or {}
         record = info.get("tuning") or {}
-        options = info.get("options") or {k: info[k] for k in ("types", "per_channel",
-                                                               "calibration_method", "format",
-                                                               "preset") if k in info}
+        keys = ("types", "per_channel", "calibration_method", "format", "preset", "equalize")
+        options = info.get("options") or {k: info[k] for k in keys if k in info}
         kept = ", ".join(info.get("float_layers") or []) or "-"
         lines.append(f"| `{r['name']}` | {runtimes.summarize_ops(r['op_counts'])} | {kept} | "
                      f"{tuning.label(options) if options else '-'} | {record.get('why', '-')} |")

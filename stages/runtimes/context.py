@@ -55,6 +55,7 @@ class QuantContext:
     stage: str = "quantize"
     _batches: list = field(default_factory=list)
     _float: object = None
+    _equalized: tuple | None = None
     _val: tuple | None = None
     _loaded: dict = field(default_factory=dict)
     # Checks that compile a model, kept until the stage's last torch.export: a strict export
@@ -81,6 +82,30 @@ class QuantContext:
 
             self._float = load_float_module(self.run, self.source)
         return self._float
+
+    def equalized_model(self) -> tuple[object, dict]:
+        """The float model after cross-layer equalization (stages/shared/equalization), made
+        once, and its record: what was folded and scaled, and the largest logit change."""
+        if self._equalized is None:
+            from stages.shared.equalization import equalize
+
+            self._equalized = equalize(self.float_model(), self.check_images()[:32])
+            record = self._equalized[1]
+            self.say(f"{self.stage}: cross-layer equalization: {record['why']}")
+        return self._equalized
+
+    def source_model(self, options: dict):
+        """What a candidate quantizes: the float model, or its equalized copy."""
+        return self.equalized_model()[0] if options.get("equalize") else self.float_model()
+
+    def equalizes(self, per_tensor_weights: bool) -> bool:
+        """Whether a static backend's default candidates are equalized: --equalize or
+        --no-equalize where given, else where weights are per-tensor (one scale for channels
+        whose ranges differ a hundredfold) and the model has a pair to equalize."""
+        wanted = getattr(self.config, "equalize", None)
+        if wanted is None:
+            wanted = per_tensor_weights
+        return bool(wanted) and self.equalized_model()[1]["applied"]
 
     def calibration(self) -> list:
         """Training images, drawn once per stage and shared by every static method."""

@@ -8,6 +8,7 @@ several times slower than fp32 on the development machines (docs/design.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import shutil
@@ -252,38 +253,54 @@ def make_dynamic(ctx) -> dict:
                    {"weight_type": "QInt8", "per_channel": False})
 
 
-def _static_backend(ctx, pre: Path) -> dict:
+def _pre_processed(ctx, equalize: bool) -> Path:
+    """ORT's shape inference and graph clean-up (quant_pre_process) of onnx-fp32, or of the
+    equalized float model exported beside it in the scratch folder."""
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    source = ctx.run.verified_path("onnx-fp32")
+    if equalize:
+        source = ctx.scratch / "equalized.onnx"
+        onnx_export.export_onnx(ctx.equalized_model()[0], ctx.check_images()[:2], source)
+    pre = ctx.scratch / f"pre-processed{'-equalized' if equalize else ''}.onnx"
+    quant_pre_process(str(source), str(pre))
+    return pre
+
+
+def _static_backend(ctx) -> dict:
     calibration = ctx.calibration()
-    groups = layer_groups(pre)
+    pre = functools.cache(lambda equalize: _pre_processed(ctx, equalize))
+    groups = functools.cache(lambda equalize: layer_groups(pre(equalize)))
     counter = iter(range(10**6))
 
     def build(options: dict, float_layers) -> Path:
         made = ctx.scratch / f"ort-static-{next(counter)}.onnx"
-        excluded = [n for layer in float_layers for n in groups[layer]]
-        quantize_static(pre, made, calibration, options, excluded)
+        equalize = bool(options.get("equalize"))
+        excluded = [n for layer in float_layers for n in groups(equalize).get(layer, ())]
+        quantize_static(pre(equalize), made, calibration, options, excluded)
         return made
+
+    def errors(options: dict) -> dict:
+        equalize = bool(options.get("equalize"))
+        model = ctx.source_model(options)
+        scheme = Scheme(per_channel=options["per_channel"],
+                        weight_bits=7 if options["reduce_range"] else 8)
+        return sensitivity.by_position(model, sensitivity.layer_errors(model, calibration, scheme),
+                                       list(groups(equalize)),
+                                       weight_sizes(pre(equalize), list(groups(equalize))))
 
     return {"build": build,
             "predict": lambda path, images: ort_predict(ort_session(path, ctx.threads), images),
             "call": lambda path, batch: ort_call(ort_session(path, ctx.threads), batch),
-            "layers": lambda: list(groups),
-            "errors": lambda options: sensitivity.by_position(
-                ctx.float_model(), sensitivity.layer_errors(
-                    ctx.float_model(), calibration, Scheme(
-                        per_channel=options["per_channel"],
-                        weight_bits=7 if options["reduce_range"] else 8)),
-                list(groups), weight_sizes(pre, list(groups)))}
+            "layers": lambda options: list(groups(bool(options.get("equalize")))),
+            "errors": errors}
 
 
 @variant("ort-static", runtime="onnxruntime", source="onnx-fp32", int8=True,
          description="ONNX Runtime static int8, QDQ, calibrated on training images")
 def make_static(ctx) -> dict:
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
     config = ctx.config
-    pre = ctx.scratch / "pre-processed.onnx"
     _quiet_ort_logging()
-    quant_pre_process(str(ctx.run.verified_path("onnx-fp32")), str(pre))
     if config.auto:
         candidates = [static_options("u8s8", pc, cal)
                       for cal in ("minmax", "percentile") for pc in (False, True)]
@@ -291,16 +308,21 @@ def make_static(ctx) -> dict:
     else:  # per-tensor measured fastest with VNNI (docs/design.md)
         candidates = [static_options(config.ort_types, bool(config.per_channel),
                                      config.calibration_method or "minmax", config.ort_format)]
-    reference = ctx.reference(lambda images: ort_predict(ort_session(pre, ctx.threads), images))
+    for options in candidates:  # equalized where weights share one scale per tensor
+        options["equalize"] = ctx.equalizes(per_tensor_weights=not options["per_channel"])
+    backend = _static_backend(ctx)
+    reference = ctx.reference(lambda images: ort_predict(
+        ort_session(ctx.run.verified_path("onnx-fp32"), ctx.threads), images))
     ctx.say("ort-static: scoring on the validation slice")
-    trial, record = tuning.tune(_static_backend(ctx, pre), candidates, reference,
-                                config.max_accuracy_drop, say=ctx.say,
-                                seconds=config.tuning_time)
+    trial, record = tuning.tune(backend, candidates, reference, config.max_accuracy_drop,
+                                say=ctx.say, seconds=config.tuning_time)
     if trial is None:
         return ctx.not_kept("ort-static", record)
     info = trial.options | {"float_layers": list(trial.float_layers), "tuning": record,
                             "calibration_samples": int(sum(len(b) for b in ctx.calibration())),
                             "calibration_split": "train", "pre_processed": True}
+    if trial.options["equalize"]:
+        info["equalization"] = ctx.equalized_model()[1]
     return _finish(ctx, "ort-static", trial.model, "onnx-fp32", info)
 
 

@@ -361,17 +361,20 @@ def make_compiled(ctx) -> dict:
 
 
 def _backend(ctx, calibration) -> dict:
-    model, spec = ctx.float_model(), ctx.spec
-    # Exported once: export is most of a trial's time (4.4 of 7.3 s on mnasnet0_5), and the
-    # per-layer fallback builds one trial per layer.
-    exported = functools.cache(lambda: export_graph(copy.deepcopy(model), spec))
+    spec = ctx.spec
+    # Exported once per source model: export is most of a trial's time (4.4 of 7.3 s on
+    # mnasnet0_5), and the per-layer fallback builds one trial per layer.
+    exported = functools.cache(lambda equalize: export_graph(
+        copy.deepcopy(ctx.source_model({"equalize": equalize})), spec))
     return {"build": lambda options, float_layers: quantize_pt2e(
-                model, spec, options, calibration, float_layers, exported=exported()),
+                ctx.source_model(options), spec, options, calibration, float_layers,
+                exported=exported(bool(options.get("equalize")))),
             "predict": lambda graph, images: predict(graph, images),
             "call": lambda graph, batch: _call(_compile(graph), batch),
-            "layers": lambda: layer_names(model),
-            "errors": lambda options: sensitivity.layer_errors(model, calibration, Scheme(
-                per_channel=True, weight_bits=options.get("weight_bits", 8)))}
+            "layers": lambda options: layer_names(ctx.float_model()),
+            "errors": lambda options: sensitivity.layer_errors(
+                ctx.source_model(options), calibration,
+                Scheme(per_channel=True, weight_bits=options.get("weight_bits", 8)))}
 
 
 def _finish(ctx, name: str, graph, recipe: dict, info: dict) -> dict:
@@ -427,9 +430,14 @@ def make_static(ctx) -> dict:
     config = ctx.config
     calibration = ctx.calibration()
     # --auto: the activations' range from a histogram (X86InductorQuantizer's own) or from
-    # their extremes; weights stay per-channel, with 7 bits where the CPU lacks VNNI.
-    candidates = [pt2e_options(observer=o)
-                  for o in (("histogram", "minmax") if config.auto else ("histogram",))]
+    # their extremes, and the histogram after cross-layer equalization; weights stay
+    # per-channel, with 7 bits where the CPU lacks VNNI.
+    equalize = ctx.equalizes(per_tensor_weights=False)
+    candidates = [pt2e_options(observer="histogram") | {"equalize": equalize}]
+    if config.auto:
+        candidates.append(pt2e_options(observer="minmax") | {"equalize": equalize})
+        if config.equalize is None and ctx.equalized_model()[1]["applied"]:
+            candidates.append(pt2e_options(observer="histogram") | {"equalize": True})
     reference = ctx.reference(lambda images: predict(ctx.float_model(), images))
     ctx.say("torch-static: scoring on the validation slice")
     trial, record = tuning.tune(_backend(ctx, calibration), candidates, reference,
@@ -438,6 +446,8 @@ def make_static(ctx) -> dict:
     if trial is None:
         return ctx.not_kept("torch-static", record)
     recipe = {"options": trial.options, "float_layers": list(trial.float_layers)}
+    if trial.options["equalize"]:
+        recipe["equalization"] = ctx.equalized_model()[1]
     return _finish(ctx, "torch-static", trial.model, recipe, recipe | {
         "tuning": record, "calibration_samples": int(sum(len(b) for b in calibration)),
         "calibration_split": "train"})

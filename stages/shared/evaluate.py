@@ -27,6 +27,14 @@ def predict(model, images, batch_size: int = 256, device=None, autocast=None):
     return torch.cat(outputs) if outputs else torch.empty(0)
 
 
+def top_k_hits(logits, labels, k: int):
+    """Whether each label is among the ``k`` highest logits, ties going to the lower class
+    index as argmax's do: topk's order among equal logits is unspecified, and an int8 model's
+    dequantized outputs tie often."""
+    order = logits.argsort(dim=1, descending=True, stable=True)[:, :k]
+    return order.eq(labels[:, None]).any(dim=1)
+
+
 def predict_dataset(predict_batch: Callable, dataset, batch_size: int = 256):
     """(logits, labels) of a whole data set through ``predict_batch``."""
     import torch

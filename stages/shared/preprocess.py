@@ -132,7 +132,8 @@ def predict_files(files, spec: dict, logits_of, batch_size: int = 64, top_k: int
             logits = logits_of(to_input(np.stack(pixels), spec))
             probabilities = softmax(np.asarray(logits, dtype=np.float64))
             for path, row in zip(ready, probabilities):
-                best = np.argsort(-row)[:top_k]
+                # Ties go to the lower class index, as argmax's (int8 outputs tie often).
+                best = np.argsort(-row, kind="stable")[:top_k]
                 yield path, [(spec["classes"][i], float(row[i])) for i in best]
 
 

@@ -3,7 +3,8 @@ fastest within the accuracy budget, and where none meets it keep the most sensit
 float until it does.
 
 Backend-agnostic: a backend is a dict of plain functions (build a model for some options and
-float layers, predict with it, make a call to time on a batch, list its layers). Candidates are
+float layers, predict with it, make a call to time on a batch, list its layers for some
+options). Candidates are
 timed together by the report's own harness (timing.interleaved), so --auto ranks them the way
 the report will. Nothing here sees the test split.
 """
@@ -44,6 +45,8 @@ def label(options: dict) -> str:
             parts.append(str(value))
         elif key == "preset":
             parts.append(f"{value.lower()} preset")
+        elif key == "equalize" and value:
+            parts.append("equalized")
         elif key == "weight_bits" and value != 8:
             parts.append(f"{value}-bit weights")
     return " ".join(parts)
@@ -227,8 +230,9 @@ def tune(backend: dict, candidates: list[dict], reference: dict, budget_points: 
         closest = min(trials, key=lambda t: t.drop_points)
         say(f"  {why}; keeping the most sensitive layers in float")
         errors = backend.get("errors", lambda options: None)(closest.options)
-        fallback = keep_sensitive_layers_float(backend, closest.options, backend["layers"](),
-                                               reference, budget_points, say, errors, deadline)
+        fallback = keep_sensitive_layers_float(backend, closest.options,
+                                               backend["layers"](closest.options), reference,
+                                               budget_points, say, errors, deadline)
         found, all_int8 = fallback.pop("trial"), fallback.pop("all_int8")
         record["fallback"] = fallback | {"float_layers": list(found.float_layers)}
         if fallback["met_budget"]:

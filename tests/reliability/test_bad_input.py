@@ -132,14 +132,28 @@ WRONG_TYPE = {
 @given(data=st.data())
 def test_a_value_of_the_wrong_type_is_refused_naming_its_flag(stage, data):
     config_class = cfg.STAGE_CONFIGS[stage]
+    # A duration field takes text ("5m") by design: test_duration_fields_parse_units covers it.
     fields = [f for f in config_class.__dataclass_fields__.values()
-              if f.type.removesuffix(" | None") in WRONG_TYPE and f.name != "model"]
+              if f.type.removesuffix(" | None") in WRONG_TYPE and f.name != "model"
+              and f.name not in cfg.DURATION_FIELDS]
     field = data.draw(st.sampled_from(fields))
     value = data.draw(WRONG_TYPE[field.type.removesuffix(" | None")])
     extra = {"model": "smallcnn"} if stage == "train" else {}
     with pytest.raises(ValueError) as raised:
         config_class(**extra | {field.name: value})
     assert str(raised.value).startswith(f"--{field.name.replace('_', '-')} must be ")
+
+
+@pytest.mark.parametrize("text, seconds", [("90", 90.0), ("90s", 90.0), ("5m", 300.0),
+                                           ("1.5h", 5400.0), (" 2M ", 120.0)])
+def test_duration_fields_parse_units(text, seconds):
+    assert cfg.QuantizeConfig(tuning_time=text).tuning_time == seconds
+
+
+@pytest.mark.parametrize("text", ["fast", "0", "-5m", "nan", "inf", "m", ""])
+def test_a_duration_that_is_not_one_is_refused_naming_its_flag(text):
+    with pytest.raises(ValueError, match=r"^--tuning-time .* is not a duration; give one such"):
+        cfg.QuantizeConfig(tuning_time=text)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -22,7 +22,13 @@ from stages.shared.errors import PipelineError
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# The exported folder's own script for PyTorch variants (issue 23: torch.export's format, the
+# one torch users load): it runs outside the project, and says first that loading can run code.
+EXPORTED_TORCH_SCRIPT = ROOT / "stages" / "export" / "predict_torch.py"
+
+
 def test_source_never_unpickles_arbitrary_objects():
+    assert "loading it can run code" in EXPORTED_TORCH_SCRIPT.read_text()
     offenders = []
     files = [path for folder in ("pipeline", "stages", "benchmarks")
              for path in (ROOT / folder).rglob("*.py")]
@@ -33,7 +39,8 @@ def test_source_never_unpickles_arbitrary_objects():
         for number, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#")[0]
             if (re.search(r"\bpickle\.loads?\(", code) or "allow_pickle=True" in code
-                    or "weights_only=False" in code or "torch.export.load(" in code
+                    or "weights_only=False" in code
+                    or ("torch.export.load(" in code and path != EXPORTED_TORCH_SCRIPT)
                     or ("torch.load(" in code and "weights_only=True" not in code)):
                 offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not offenders, offenders

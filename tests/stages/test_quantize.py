@@ -303,3 +303,34 @@ def test_a_search_that_finds_nothing_within_the_budget_keeps_nothing_and_says_wh
                                    warmup=1, quiet=True), cheap_run)
     assert "ort-static" not in [m["name"] for m in data["models"]]
     assert f"ort-static was searched by quantize and {why['ort-static']}" in data["warnings"]
+
+
+def test_ort_static_is_equalized_by_default_and_torch_static_is_not(tiny_run):
+    """smallcnn's first two convolutions meet through a ReLU (the third follows a max pool):
+    ort-static's per-tensor weights are made from the equalized model, and the manifest and
+    the report say so; torch-static's per-channel weights are not."""
+    run = tiny_run["run"]
+    ort = run.entry("ort-static")["quantization"]
+    assert ort["equalize"] is True and ort["per_channel"] is False
+    record = ort["equalization"]
+    assert (record["pairs"], record["batchnorms_folded"], record["pairs_left_alone"]) == (1, 3, 0)
+    assert 0 <= record["max_abs_logit_change"] < 1e-3
+    assert run.entry("torch-static")["quantization"]["options"]["equalize"] is False
+    assert "equalization" not in run.entry("torch-static")["quantization"]
+    text = (run.root / "report" / "report.md").read_text()
+    section = text[text.index("## Quantization"):]
+    row = next(line for line in section.splitlines() if line.startswith("| `ort-static` | "))
+    assert "u8s8 per-tensor minmax QDQ equalized" in row
+
+
+def test_no_equalize_makes_ort_static_from_the_float_model_as_it_is(cheap_run):
+    quantize.run(QuantizeConfig(methods="ort-static", calibration_samples=64, equalize=False,
+                                quiet=True), cheap_run)
+    plain = cheap_run.entry("ort-static")
+    assert plain["quantization"]["equalize"] is False
+    assert "equalization" not in plain["quantization"]
+    quantize.run(QuantizeConfig(methods="ort-static", calibration_samples=64, quiet=True),
+                 cheap_run)
+    equalized = cheap_run.entry("ort-static")
+    assert equalized["quantization"]["equalize"] is True
+    assert equalized["sha256"] != plain["sha256"]  # other int8 weights, not a relabelled file
