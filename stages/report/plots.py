@@ -129,7 +129,10 @@ def training_curves(histories: dict[str, list[dict]], path: Path) -> None:
                     color=line.get_color(), label=f"{name} training")
     loss_ax.set(title="training loss", xlabel="epoch", yscale="log")
     acc_ax.set(title="accuracy", xlabel="epoch")
+    from matplotlib.ticker import MaxNLocator
+
     for ax in (loss_ax, acc_ax):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

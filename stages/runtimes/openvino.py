@@ -63,7 +63,7 @@ def core():
     an alternate signal stack of its own and, when the Core is freed, puts back the one it
     found: two Cores freed in the order they were made (first made, first freed) leave the
     main thread's pointing at freed memory, and the next signal (Ctrl-C, torchrun's SIGTERM)
-    killed the process with SIGSEGV (OpenVINO 2026.4; tests/runtimes/test_openvino.py)."""
+    killed the process with SIGSEGV (OpenVINO 2026.4; tests/stages/runtimes/test_openvino.py)."""
     return _openvino().Core()
 
 
