@@ -90,7 +90,7 @@ def test_the_same_seed_twice_gives_the_same_weights_predictions_and_report(tmp_p
         train.run(TrainConfig(**TINY_TRAIN | {"epochs": 1}), run)
         quantize.run(QuantizeConfig(methods="torch-static,ort-static", calibration_samples=64,
                                     quiet=True), run)
-        reports.append(report.run(ReportConfig(**TINY_REPORT | {"batch_sizes": (32,)}), run))
+        reports.append(report.run(ReportConfig(**TINY_REPORT), run))
         runs.append(run)
     for variant in ("fp32", "amp"):
         a = artifacts.load_checkpoint(runs[0].verified_path(variant))["state_dict"]

@@ -22,7 +22,7 @@ def test_report_json_has_the_contract_fields(tiny_run):
         assert {"name", "format", "path", "size_bytes", "accuracy", "accuracy_ci95",
                 "agreement", "latency_ms", "op_counts", "validation", "test",
                 "speedup_vs_reference", "speedup_vs_best_float", "serving"} <= set(model)
-        assert set(model["latency_ms"]) == {"1", "32"}
+        assert set(model["latency_ms"]) == {"32"}  # TINY_REPORT's one batch size
         for stats in model["latency_ms"].values():
             assert stats["calls"] == 5 * 4 and stats["rounds"] == 5
             assert len(stats["rounds_ms"]) == 5 and all(len(r) == 4 for r in stats["rounds_ms"])
@@ -184,16 +184,33 @@ def test_report_markdown_says_what_it_chose_on_and_what_it_measured(tiny_run):
             f"variant, `{big['best_float']}`") in markdown_text
     assert (f"it scores {v['test_accuracy']:.2%}, {v['accuracy_change_points']:+.2f} points "
             "against `fp32`") in markdown_text
-    assert "At batch 1 the fastest within the budget is" in markdown_text
-    # Every variant has its row, with its own measured p50 and p90 at each batch size.
+    assert "At batch " not in markdown_text  # one batch size: no other to speak of
+    _every_row_has_its_latencies(data, markdown_text, ("32",))
+    assert "master weights are fp32" in markdown_text
+    assert "rotated each round" in markdown_text
+
+
+def _every_row_has_its_latencies(data, markdown_text, batch_sizes):
+    """Every variant has its row, with its own measured p50 and p90 at each batch size."""
     for model in data["models"]:
         latency = model["latency_ms"]
         cells = " | ".join(f"{latency[b]['p50']:.2f} / {latency[b]['p90']:.2f}"
-                           for b in ("1", "32"))
+                           for b in batch_sizes)
         assert f"| `{model['name']}` | CPU | {model['serving']} | " in markdown_text
         assert cells in markdown_text, model["name"]
-    assert "master weights are fp32" in markdown_text
-    assert "rotated each round" in markdown_text
+
+
+def test_a_report_of_two_batch_sizes_recommends_for_the_largest_and_names_the_other(cheap_run):
+    data = json.loads((cheap_run.root / "report" / "report.json").read_text())
+    markdown_text = (cheap_run.root / "report" / "report.md").read_text()
+    v = data["verdict"]
+    assert v["batch_size"] == 32 and list(v["per_batch_size"]) == ["1", "32"]
+    assert f"**Ship `{v['recommended']}`** for batches of 32 on the CPU." in markdown_text
+    small = v["per_batch_size"]["1"]
+    assert (f"At batch 1 the fastest within the budget is `{small['recommended']}` "
+            f"({'an int8' if small['int8'] else 'a float'} variant, {small['p50_ms']:.2f} ms "
+            "p50") in markdown_text
+    _every_row_has_its_latencies(data, markdown_text, ("1", "32"))
 
 
 @pytest.mark.parametrize("figure", ["latency-vs-size.png", "speedup.png", "training-curves.png"])
