@@ -411,7 +411,7 @@ def run(config, run: Run) -> dict:
                            config.max_accuracy_drop) | {"device": "cuda"} if gpu_rows else None},
         "warnings": warnings_for(rows, reference, config.max_accuracy_drop, training)
         + parity_warnings(measured["parity"]) + isa_note(environment)
-        + [f"{name} was searched by quantize and {why}" for name, why in run.recorded_config(
+        + [f"{name} (quantize): {why}" for name, why in run.recorded_config(
             "quantize").get("not_kept", {}).items()],
         "parity": measured["parity"], "figures": figures, "environment": environment,
     }

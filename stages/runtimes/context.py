@@ -146,15 +146,34 @@ class QuantContext:
         return self._loaded[name].predict(images)
 
     def not_kept(self, name: str, record: dict) -> dict:
-        """A search that found nothing within the budget keeps nothing: it says so in one line,
-        drops what an earlier quantize made under this name (it would be reported as if this
-        run had made it), and the stage's record in config.json says why, for the report."""
+        """A search that found nothing within the budget keeps nothing (see refuse)."""
         why = (f"not kept: nothing stayed within {record['budget_points']:g} point(s) of the "
                f"float model on {record['images']} held-out training images ({record['why']})")
+        return self.refuse(name, why) | {"tuning": record}
+
+    def refuse(self, name: str, why: str) -> dict:
+        """A variant not made says why in one line, drops what an earlier quantize made under
+        this name (it would be reported as if this run had made it), and the stage's record in
+        config.json says why, for the report."""
         self.say(f"{name}: {why}")
         self.run.unregister(name)
         self.refused[name] = why
-        return {"not_kept": why, "tuning": record}
+        return {"not_kept": why}
+
+    def score_without_search(self, name: str, predict_fn, reference_fn, options: dict) -> dict:
+        """Score a variant made with no choice to search (dynamic int8) on the held-out images,
+        as the searches score theirs: the record says whether it kept within the budget, and
+        one that did not is refused like a search that found nothing (on notMNIST,
+        mobilenet_v2's ort-dynamic scored 16.7% on the test split, near chance, and was
+        written)."""
+        from stages.shared import tuning
+
+        backend = {"build": lambda options, float_layers: None,
+                   "predict": lambda _, images: predict_fn(images)}
+        self.say(f"{name}: scoring on the validation slice")
+        _, record = tuning.tune(backend, [options], self.reference(reference_fn),
+                                self.config.max_accuracy_drop, say=self.say)
+        return record
 
     def register(self, name: str, path: Path, info: dict, fmt: str, op_counts: dict,
                  companions: tuple[Path, ...] = ()) -> None:

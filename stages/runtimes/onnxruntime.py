@@ -239,8 +239,17 @@ def make_onnx_fp32(ctx) -> dict:
     return info
 
 
+# Dynamic int8 where ONNX Runtime means it to run (fully connected layers, attention, LSTM),
+# as torch-dynamic quantizes Linear alone. Its int8 convolutions (ConvInteger) ran 6.6x slower
+# than onnx-fp32 on resnet18 (156.7 against 23.9 ms at batch 32, AMD EPYC, 2026-12-02) and left
+# mobilenet_v2 at chance on notMNIST (16.7%); ORT's documentation recommends static
+# quantization for convolutional networks.
+DYNAMIC_OP_TYPES = ["MatMul", "Attention", "LSTM"]
+
+
 @variant("ort-dynamic", runtime="onnxruntime", source="onnx-fp32", int8=True,
-         description="ONNX Runtime dynamic int8 (weights int8, activations at run time)")
+         description="ONNX Runtime dynamic int8 of the fully connected layers (activations at "
+                     "run time)")
 def make_dynamic(ctx) -> dict:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -248,9 +257,19 @@ def make_dynamic(ctx) -> dict:
     made = ctx.scratch / "ort-dynamic.onnx"
     with atomic_path(made) as tmp:
         quantize_dynamic(str(ctx.run.verified_path("onnx-fp32")), str(tmp),
-                         weight_type=QuantType.QInt8)
-    return _finish(ctx, "ort-dynamic", made, "onnx-fp32",
-                   {"weight_type": "QInt8", "per_channel": False})
+                         weight_type=QuantType.QInt8, op_types_to_quantize=DYNAMIC_OP_TYPES)
+    if not any(c["int8"] for c in onnx_op_counts(made).values()):
+        return ctx.refuse("ort-dynamic", "not made: the model has no fully connected layer "
+                          "(MatMul), the only kind dynamic int8 quantizes here; ort-static "
+                          "quantizes convolutions")
+    options = {"weight_type": "QInt8", "per_channel": False, "op_types": DYNAMIC_OP_TYPES}
+    source = ort_session(ctx.run.verified_path("onnx-fp32"), ctx.threads)
+    record = ctx.score_without_search(
+        "ort-dynamic", lambda images: ort_predict(ort_session(made, ctx.threads), images),
+        lambda images: ort_predict(source, images), options)
+    if record["chosen"] is None:
+        return ctx.not_kept("ort-dynamic", record)
+    return _finish(ctx, "ort-dynamic", made, "onnx-fp32", options | {"tuning": record})
 
 
 def _pre_processed(ctx, equalize: bool) -> Path:

@@ -417,11 +417,22 @@ def _check_compiled(ctx, name: str, path, reloaded, after, info: dict) -> None:
 @variant("torch-dynamic", runtime="pytorch", source=FLOAT, int8=True,
          description="PT2E dynamic int8 (activations quantized at run time), compiled")
 def make_dynamic(ctx) -> dict:
+    import torch
+
+    model = ctx.float_model()
+    if not any(isinstance(m, torch.nn.Linear) for m in model.modules()):
+        return ctx.refuse("torch-dynamic", "not made: the model has no fully connected layer "
+                          "(Linear), the only kind PT2E dynamic int8 quantizes; torch-static "
+                          "quantizes convolutions")
     options = pt2e_options(dynamic=True)
     # Activations are quantized at run time; one batch lets the weight observers see weights.
-    graph = quantize_pt2e(ctx.float_model(), ctx.spec, options, ctx.calibration()[:1])
-    return _finish(ctx, "torch-dynamic", graph, {"options": options, "float_layers": []},
-                   {"options": options, "float_layers": []})
+    graph = quantize_pt2e(model, ctx.spec, options, ctx.calibration()[:1])
+    record = ctx.score_without_search("torch-dynamic", lambda images: predict(graph, images),
+                                      lambda images: predict(model, images), options)
+    if record["chosen"] is None:
+        return ctx.not_kept("torch-dynamic", record)
+    recipe = {"options": options, "float_layers": []}
+    return _finish(ctx, "torch-dynamic", graph, recipe, recipe | {"tuning": record})
 
 
 @variant("torch-static", runtime="pytorch", source=FLOAT, int8=True,

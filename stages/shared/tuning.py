@@ -195,7 +195,8 @@ def tune(backend: dict, candidates: list[dict], reference: dict, budget_points: 
          say: Callable[[str], None] = lambda _: None,
          seconds: float | None = None) -> tuple[Trial | None, dict]:
     """Score every candidate, keep the fastest within the budget (timed only when there is a
-    choice); fall back to float layers if none meets it. ``seconds`` (--tuning-time) bounds
+    choice); fall back to float layers if none meets it and the backend lists its layers.
+    ``seconds`` (--tuning-time) bounds
     the search: candidates and layers not reached in time are not tried, and the record says
     so. Returns the chosen trial, or None where nothing met the budget (the caller keeps
     nothing), and a record of what was tried and why."""
@@ -226,7 +227,9 @@ def tune(backend: dict, candidates: list[dict], reference: dict, budget_points: 
               "tried": [t.summary() for t in trials], "not_tried": untried}
     if untried:
         why += f"; --tuning-time spent before {', '.join(untried)} could be tried"
-    if chosen is None and not _out_of_time(deadline):
+    if chosen is None and "layers" not in backend:  # dynamic int8: nothing to keep in float
+        record["closest"] = min(trials, key=lambda t: t.drop_points).summary()
+    elif chosen is None and not _out_of_time(deadline):
         closest = min(trials, key=lambda t: t.drop_points)
         say(f"  {why}; keeping the most sensitive layers in float")
         errors = backend.get("errors", lambda options: None)(closest.options)

@@ -99,7 +99,9 @@ def test_the_openvino_ir_pair_is_listed_and_checked_together(tiny_run):
 def test_onnx_graphs_have_the_promised_formats(tiny_run):
     run = tiny_run["run"]
     assert {"QuantizeLinear", "DequantizeLinear"} <= _op_types(run.verified_path("ort-static"))
-    assert "ConvInteger" in _op_types(run.verified_path("ort-dynamic"))
+    # Dynamic int8 of the fully connected layer alone: ConvInteger is ORT's slow path.
+    dynamic = _op_types(run.verified_path("ort-dynamic"))
+    assert {"DynamicQuantizeLinear", "MatMulInteger"} <= dynamic and "ConvInteger" not in dynamic
     assert "QuantizeLinear" not in _op_types(run.verified_path("onnx-fp32"))
     info = run.entry("onnx-fp32")["quantization"]
     assert info["parity_vs_pytorch"]["max_abs_diff"] < 1e-4
@@ -210,7 +212,7 @@ def test_no_module_imports_torch_ao_quantization():
 def test_onnx_runtime_op_counts_are_read_from_the_graph_it_runs(tiny_run):
     run = tiny_run["run"]
     counts = ort_runtime.onnx_op_counts(run.verified_path("ort-dynamic"))
-    assert counts["Conv"]["ops"] == {"ConvInteger": 3}
+    assert counts["Conv"] == {"int8": 0, "float": 3, "ops": {"Conv": 3}}
     assert counts["Linear"] == {"int8": 1, "float": 0, "ops": {"DynamicQuantizeMatMul": 1}}
     static = ort_runtime.onnx_op_counts(run.verified_path("ort-static"))
     assert static["Conv"] == {"int8": 3, "float": 0, "ops": {"QLinearConv": 3}}
@@ -302,7 +304,39 @@ def test_a_search_that_finds_nothing_within_the_budget_keeps_nothing_and_says_wh
     data = report.run(ReportConfig(batch_sizes=(32,), rounds=3, max_rounds=3, repeats=7,
                                    warmup=1, quiet=True), cheap_run)
     assert "ort-static" not in [m["name"] for m in data["models"]]
-    assert f"ort-static was searched by quantize and {why['ort-static']}" in data["warnings"]
+    assert f"ort-static (quantize): {why['ort-static']}" in data["warnings"]
+
+
+def test_dynamic_int8_is_held_to_the_budget_like_the_searched_variants(
+        tiny_run, cheap_run, monkeypatch, capsys):
+    """Dynamic variants are scored on the held-out images like the searched ones, and one that
+    loses more than the budget (mobilenet_v2's ort-dynamic fell to chance on notMNIST) is not
+    written: the stage says so in one line each and goes on."""
+    from stages.shared import tuning
+
+    for name in ("torch-dynamic", "ort-dynamic"):
+        record = tiny_run["run"].entry(name)["quantization"]["tuning"]
+        assert record["images"] > 0 and record["chosen"]["drop_points"] <= 1.0, name
+        assert record["why"] == "the one configuration asked for is within the budget"
+    monkeypatch.setattr(tuning, "_within", lambda trial, budget: False)
+    quantize.run(QuantizeConfig(methods="torch-dynamic,ort-dynamic", calibration_samples=64),
+                 cheap_run)
+    assert not {"torch-dynamic", "ort-dynamic"} & set(cheap_run.artifacts())
+    assert not list((cheap_run.root / "quantize").glob("*-dynamic.*"))
+    said = [line for line in capsys.readouterr().err.splitlines() if "not kept" in line]
+    assert [line.split(":")[0] for line in said] == ["torch-dynamic", "ort-dynamic"]
+    assert all("nothing stayed within 1 point(s) of the float model" in line for line in said)
+    why = json.loads((cheap_run.root / "config.json").read_text())["quantize"]["not_kept"]
+    assert set(why) == {"torch-dynamic", "ort-dynamic"}
+
+
+def test_ort_dynamic_of_a_model_without_fully_connected_layers_says_so(cheap_run, monkeypatch,
+                                                                       capsys):
+    monkeypatch.setattr(ort_runtime, "DYNAMIC_OP_TYPES", ["LSTM"])  # nothing here to quantize
+    quantize.run(QuantizeConfig(methods="ort-dynamic", calibration_samples=64), cheap_run)
+    assert "ort-dynamic" not in cheap_run.artifacts()
+    assert ("ort-dynamic: not made: the model has no fully connected layer (MatMul), the only "
+            "kind dynamic int8 quantizes here") in capsys.readouterr().err
 
 
 def test_ort_static_is_equalized_by_default_and_torch_static_is_not(tiny_run):

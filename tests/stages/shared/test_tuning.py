@@ -211,6 +211,20 @@ def test_a_time_boxed_search_tries_what_it_can_and_keeps_nothing_outside_the_bud
     assert record["why"].endswith("--tuning-time spent before u8s8 per-channel could be tried")
 
 
+def test_a_backend_without_layers_has_no_fallback_and_keeps_nothing_beyond_the_budget(
+        monkeypatch):
+    """Dynamic int8 is scored as one configuration: beyond the budget it is not kept, and the
+    record names how close it came, without a layer search it cannot do."""
+    monkeypatch.setattr(tuning, "score", lambda backend, options, float_layers, reference:
+                        tuning.Trial(options, (), None, 0.1, 80.0, 4.0, 0.1))
+    chosen, record = tuning.tune({"build": None, "predict": None}, [{"per_channel": False}],
+                                 {"labels": [0] * 5, "images": torch.zeros(5, 1, 8, 8)}, 1.0)
+    assert chosen is None and record["chosen"] is None and "fallback" not in record
+    assert record["closest"]["drop_points"] == 80.0
+    assert record["why"] == ("none of 1 configuration(s) stayed within 1 point(s) of the float "
+                             "model on the validation images")
+
+
 def test_a_layer_that_helps_only_with_another_is_still_tried(monkeypatch):
     """As in the outlier model: keeping the convolution that reads an outlier channel float
     helps alone; keeping the one that makes it float helps only with it (CI caught a version
