@@ -1,6 +1,7 @@
 """Every variant of a run, timed the report's way, as the tables in docs/measurements.md.
 
-    .venv/bin/python benchmarks/runtimes.py [--run NAME] [--artifacts-dir artifacts] [--rounds 8] [--repeats 4]
+    .venv/bin/python benchmarks/runtimes.py [--run NAME] [--artifacts-dir artifacts]
+        [--rounds 8] [--repeats 4]
 
 Re-measures the run (the latest by default) with the report's harness: one process, every
 variant timed in each round with the order rotated, garbage collection off, the same number of

@@ -15,7 +15,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+if TYPE_CHECKING:  # annotations only: numpy is imported where it is used
+    import numpy
 
 
 def open_run(run=None, artifacts_dir=None):

@@ -1,7 +1,8 @@
 """What the pipeline does.
 
     stages/            the five stages, each a plain `run(config, run)`:
-                       train, import_model, qat, quantize, report (a package: its Markdown and plots)
+                       train, import_model, qat, quantize, report (a package: its Markdown
+                       and plots)
     stages/runtimes/   one module per inference runtime (pytorch, onnxruntime, openvino) behind one
                        registry of variants, the context a stage hands them (context), and the
                        file formats they write (onnx_export, graph_file)

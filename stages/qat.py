@@ -4,8 +4,9 @@ quantization loses too much.
 
 torchvision's quantization recipe, scaled to a small data set (10 epochs by default): a low
 learning rate, BatchNorm statistics frozen after half the epochs and the quantization ranges
-after 70% of them, the epoch with the best validation accuracy kept. The result is `torch-qat`, and `ort-qat` where
-the ONNX export of its QDQ graph holds; both are reported like every other variant.
+after 70% of them, the epoch with the best validation accuracy kept. The result is `torch-qat`,
+and `ort-qat` where the ONNX export of its QDQ graph holds; both are reported like every other
+variant.
 """
 from __future__ import annotations
 

@@ -50,7 +50,8 @@ def test_default_chain_meets_the_size_and_accuracy_targets(tmp_path):
     expected = resolve_precision("auto", torch.device("cpu")).name
     assert training["amp"]["precision"] == expected and training["fp32"]["precision"] == "fp32"
     print(json.dumps({n: {"MB": m["size_bytes"] / 1e6, "acc": m["accuracy"],
-                          "ms@1": m["latency_ms"]["1"]["p50"], "ms@32": m["latency_ms"]["32"]["p50"],
+                          "ms@1": m["latency_ms"]["1"]["p50"],
+                          "ms@32": m["latency_ms"]["32"]["p50"],
                           "vs_best_float@32": m["speedup_vs_best_float"]["32"]["ratio"]}
                       for n, m in models.items()}, indent=1))
     print(json.dumps(verdict, indent=1))

@@ -152,10 +152,10 @@ def _sensitive_layers(report: dict) -> list[str]:
         kept = set(fallback["float_layers"])
         key = "error" if fallback["ranking"] and "error" in fallback["ranking"][0] \
             else "logit_mse_gain"
+        measure = "relative output error" if key == "error" else "logits brought back"
         lines += ["", f"`{r['name']}`: the most sensitive layers, ranked by "
                   f"{fallback['ranked_by']} ({fallback['stopped']}):", "",
-                  f"| layer | {'relative output error' if key == 'error' else 'logits brought back'}"
-                  " | kept in float |", "|---|---|---|"]
+                  f"| layer | {measure} | kept in float |", "|---|---|---|"]
         for item in fallback["ranking"][:10]:
             lines.append(f"| {item['layer']} | {item[key]:.3g} | "
                          f"{'yes' if item['layer'] in kept else '-'} |")
@@ -190,7 +190,8 @@ def amp_sentence(training: dict, rows: list[dict]) -> str:
             f"so mixed precision does not shrink the saved model; quantization does "
             f"(`{smallest['name']}`: {smallest['size_bytes'] / fp32['model_bytes']:.2f}x). It "
             f"trained at {amp['samples_per_second']:.0f} samples/s against fp32's "
-            f"{fp32['samples_per_second']:.0f} ({amp['samples_per_second'] / max(fp32['samples_per_second'], 1e-9):.2f}x)."
+            f"{fp32['samples_per_second']:.0f} "
+            f"({amp['samples_per_second'] / max(fp32['samples_per_second'], 1e-9):.2f}x)."
             + memory)
 
 
@@ -250,7 +251,8 @@ def markdown(report: dict) -> str:
     lines += _quantization(report) + _training(report)
     env = report["environment"]
     lines += ["## Environment", "",
-              f"CPU {env['cpu']['model']} ({', '.join(env['cpu']['flags']) or 'no int8/bf16 flags'})"
+              f"CPU {env['cpu']['model']} "
+              f"({', '.join(env['cpu']['flags']) or 'no int8/bf16 flags'})"
               f"; inference with ATen's {env['isa']['aten']} kernels, oneDNN "
               f"{env['isa']['onednn_max_cpu_isa']}; {env['threads']} threads for every runtime; "
               + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".", ""]

@@ -1,9 +1,12 @@
 """The built-in models: small, quick to train, and each chosen to show one thing."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from stages.shared.registry import register
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it is used
+    import torch
 
 BUILTIN_MODELS: dict[str, Callable[..., "torch.nn.Module"]] = {}
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from stages.shared.errors import PipelineError
 from stages.shared.registry import lookup, register
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it is used
+    import torch
 
 DATASETS: dict[str, Callable[..., "DataSplits"]] = {}
 # Per-channel mean and std of each training set, as published with it.

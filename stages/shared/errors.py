@@ -2,7 +2,8 @@
 
 
 class PipelineError(Exception):
-    """A runtime failure the user can act on (exit code 1): corrupt file, failed export, bad data."""
+    """A runtime failure the user can act on (exit code 1): corrupt file, failed export, bad
+    data."""
 
     exit_code = 1
 

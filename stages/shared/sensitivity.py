@@ -5,8 +5,9 @@ model, so one layer's error does not compound into the next), and its output is 
 with the input and the weights quantized as a backend quantizes them: activations as unsigned
 8 bits over the range calibration saw, weights per channel or per tensor, symmetric, in 8 or 7
 bits. A layer's error is the mean squared difference of the two outputs over the float output's
-mean square, per output channel and averaged over them (0: exact; 1: as large as the output). Two forward passes (ranges, then
-errors) replace the model per layer the fallback used to build to rank layers.
+mean square, per output channel and averaged over them (0: exact; 1: as large as the output).
+Two forward passes (ranges, then errors) replace the model per layer the fallback used to build
+to rank layers.
 
 The ranking is the torch model's; `by_position` carries it to a backend whose layers have other
 names (an ONNX graph's Conv nodes, OpenVINO's ops), matching them in order and by weight shape.

@@ -24,7 +24,10 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:  # annotations only: numpy is imported where it is used
+    import numpy
 
 ROUND_SECONDS = 0.05  # timed calls of one variant in one round fill about this much
 MAX_CALLS_PER_ROUND = 50

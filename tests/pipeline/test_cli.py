@@ -22,7 +22,8 @@ def invoke(*args):
 
 @pytest.mark.parametrize("args, needle", [
     (["train", "--model", "resnet7"], "--model 'resnet7' is not one of: mixer, smallcnn, alexnet"),
-    (["quantize", "--methods", "torch-static,int4"], "--methods 'int4' is not one of: fp32-compiled"),
+    (["quantize", "--methods", "torch-static,int4"],
+     "--methods 'int4' is not one of: fp32-compiled"),
     (["train", "--epochs", "-3"], "--epochs must be at least 1, got -3"),
     (["--run", "missing", "report"], "run 'missing' does not exist"),
     (["--device", "tpu", "train"], "'tpu' is not one of 'auto', 'cpu', 'cuda'"),
@@ -34,7 +35,8 @@ def invoke(*args):
      "--tuning-time '5minutes' is not a duration; give one such as 90s, 5m or 1h"),
     (["predict", "/nonexistent/photo.png"], "/nonexistent/photo.png does not exist"),
     (["export", "--variant", "fp32"], "Missing argument 'OUT_DIR'"),
-    (["train", "--init-weights", "/nonexistent.pt"], "--init-weights '/nonexistent.pt' is not a file"),
+    (["train", "--init-weights", "/nonexistent.pt"],
+     "--init-weights '/nonexistent.pt' is not a file"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, needle):
     result = invoke("--artifacts-dir", str(tmp_path), *args)

@@ -49,7 +49,8 @@ def test_sigkill_mid_epoch_then_resume_ends_bit_identical(tmp_path):
     listed = _artifacts(tmp_path, "killed")
     assert "amp" not in listed
     for entry in listed.values():  # every listed file is whole
-        assert artifacts.sha256_file(tmp_path / "runs" / "killed" / entry["path"]) == entry["sha256"]
+        path = tmp_path / "runs" / "killed" / entry["path"]
+        assert artifacts.sha256_file(path) == entry["sha256"]
 
     # Corrupt the newest checkpoint: resume must fall back to the one before it.
     newest = max((e for e in listed.values() if e.get("step")), key=lambda e: e["step"])

@@ -174,7 +174,8 @@ def test_an_exported_folder_runs_with_onnxruntime_numpy_and_pillow_alone(tiny_ru
     top1 = [line.rsplit(" (", 1)[0] for line in proc.stdout.strip().splitlines()]
     assert top1 == [line.rsplit(" (", 1)[0] for line in ours.stdout.strip().splitlines()]
     # An export never writes over a folder that holds anything.
-    again = _invoke("--artifacts-dir", str(run.artifacts_dir), "--run", run.name, "export", str(out))
+    again = _invoke("--artifacts-dir", str(run.artifacts_dir), "--run", run.name, "export",
+                    str(out))
     assert again.exit_code == 2 and "already exists and is not an empty folder" in again.stderr
 
 

@@ -156,7 +156,8 @@ def test_a_duration_that_is_not_one_is_refused_naming_its_flag(text):
         cfg.QuantizeConfig(tuning_time=text)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(epochs=st.text(max_size=6), lr=st.text(max_size=6), batch=st.text(max_size=6),
        sizes=st.text(max_size=8))
 def test_random_option_values_give_usage_errors_never_tracebacks(tmp_path, monkeypatch, epochs,

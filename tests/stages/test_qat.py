@@ -205,7 +205,8 @@ def _one_signed_conv_net():
     with torch.no_grad():
         magnitude = torch.rand_like(conv.weight) * 0.5 + 0.05
         conv.weight.copy_(magnitude * torch.tensor([1.0, -1.0, 1.0, -1.0]).view(4, 1, 1, 1))
-    return nn.Sequential(conv, nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(144, 10))  # 4 x 6 x 6 from 8 x 8 images
+    # 4 x 6 x 6 from 8 x 8 images
+    return nn.Sequential(conv, nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(144, 10))
 
 
 @pytest.mark.slow

@@ -30,7 +30,8 @@ def test_report_json_has_the_contract_fields(tiny_run):
             assert stats["p50"] == pytest.approx((ordered[9] + ordered[10]) / 2)
     for name in ("fp32", "amp"):
         assert {"precision", "device", "seconds", "samples_per_second", "peak_memory_bytes",
-                "checkpoint_bytes", "test_accuracy", "skipped_steps"} <= set(on_disk["training"][name])
+                "checkpoint_bytes", "test_accuracy", "skipped_steps"} <= set(
+                    on_disk["training"][name])
     env = on_disk["environment"]
     assert {"torch", "torchvision", "onnx", "onnxruntime"} <= set(env["versions"])
     assert env["isa"]["aten"] and env["cpu"]["model"] and env["threads"] >= 1

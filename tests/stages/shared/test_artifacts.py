@@ -134,7 +134,8 @@ def test_runs_latest_pointer_and_errors_that_name_the_runs(tmp_path):
     assert manifest["versions"]["torch"] == importlib.metadata.version("torch")
 
 
-@pytest.mark.parametrize("relative", ["../../../elsewhere/outside.pt", "/etc/hostname", "", "a/../../b"])
+@pytest.mark.parametrize("relative", ["../../../elsewhere/outside.pt", "/etc/hostname", "",
+                                      "a/../../b"])
 def test_a_manifest_path_outside_the_run_is_refused_by_name(tmp_path, relative):
     run = artifacts.create_run(tmp_path, "r1")
     path = run.root / "weights.pt"

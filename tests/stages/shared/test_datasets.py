@@ -47,7 +47,8 @@ def cifar_dir(tmp_path, monkeypatch):
     for i in range(1, 6):
         (folder / f"data_batch_{i}").write_bytes(pickle.dumps(batch(20)))
     (folder / "test_batch").write_bytes(pickle.dumps(batch(20)))
-    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": [str(i) for i in range(10)]}))
+    meta = {"label_names": [str(i) for i in range(10)]}
+    (folder / "batches.meta").write_bytes(pickle.dumps(meta))
     # torchvision checks the md5 of the published files; ours are small stand-ins.
     monkeypatch.setattr(datasets.CIFAR10, "_check_integrity", lambda self: True)
     monkeypatch.setattr(datasets.cifar, "check_integrity", lambda path, md5=None: True)

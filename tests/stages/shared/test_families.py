@@ -25,7 +25,8 @@ FAMILIES = {
     "mobilenetv2": ("mobilenet_v2", 8), "mobilenetv3": ("mobilenet_v3_small", 8),
     "regnet": ("regnet_x_400mf", 8), "resnet": ("resnet18", 8),
     "shufflenetv2": ("shufflenet_v2_x0_5", 8), "squeezenet": ("squeezenet1_1", 32),
-    "swin_transformer": ("swin_t", 8), "vgg": ("vgg11", 32), "vision_transformer": ("vit_b_32", 224),
+    "swin_transformer": ("swin_t", 8), "vgg": ("vgg11", 32),
+    "vision_transformer": ("vit_b_32", 224),
 }
 # MaxViT's one training step alone takes about 20 s here; its size is checked on the meta device.
 STEP_SKIPS = {"maxvit"}

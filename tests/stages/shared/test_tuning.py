@@ -1,4 +1,5 @@
-"""Static int8 choices: --auto, the sensitivity fallback, and dynamic int8 on a Linear-heavy model."""
+"""Static int8 choices: --auto, the sensitivity fallback, and dynamic int8 on a Linear-heavy
+model."""
 import pytest
 import torch
 
@@ -189,7 +190,8 @@ def test_the_fallback_stops_when_its_time_is_spent(monkeypatch):
                                        errors={layer: 1.0 for layer in layers},
                                        deadline=time.monotonic() - 1)
     assert built == [()] and not record["met_budget"]
-    assert record["stopped"] == "--tuning-time spent: 0 of 10 ranked layers tried (0 not yet ranked)"
+    assert record["stopped"] == ("--tuning-time spent: 0 of 10 ranked layers tried "
+                                 "(0 not yet ranked)")
 
 
 def test_a_time_boxed_search_tries_what_it_can_and_keeps_nothing_outside_the_budget(monkeypatch):
