@@ -224,6 +224,8 @@ def pt2e_options(dynamic: bool = False, observer: str = "histogram") -> dict:
 def make_quantizer(options: dict, float_layers=(), qat: bool = False):
     import dataclasses
 
+    import torch
+
     _, x86 = _pt2e()
     config = x86.get_default_x86_inductor_quantization_config(
         is_dynamic=options.get("dynamic", False), is_qat=qat)
@@ -242,7 +244,13 @@ def make_quantizer(options: dict, float_layers=(), qat: bool = False):
     if qat:
         config = _qat_weights_as_deployed(config)
     quantizer = x86.X86InductorQuantizer()
-    quantizer.set_global(config)
+    if options.get("dynamic"):
+        # Dynamic int8 for the Linear layers alone, as ort-dynamic: set globally, it also
+        # stored resnet18's convolution weights in int8 and dequantized them at every call
+        # (47.9 ms at batch 32 against 18.8 for fp32-compiled, AMD EPYC).
+        quantizer.set_module_type_qconfig(torch.nn.Linear, config)
+    else:
+        quantizer.set_global(config)
     for name in float_layers:
         quantizer.set_module_name_qconfig(name, None)
     return quantizer
@@ -324,8 +332,8 @@ def load_graph_file(path, name: str):
     except PipelineError as exc:
         raise PipelineError(f"{name}: {path}: {exc}") from None
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise PipelineError(f"{name}: {path} is not a well-formed graph file ({type(exc).__name__}: "
-                            f"{exc})") from None
+        raise PipelineError(f"{name}: {path} is not a well-formed graph file "
+                            f"({type(exc).__name__}: {exc})") from None
 
 
 # ---------------------------------------------------------------- making the variants
@@ -415,7 +423,8 @@ def _check_compiled(ctx, name: str, path, reloaded, after, info: dict) -> None:
 
 
 @variant("torch-dynamic", runtime="pytorch", source=FLOAT, int8=True,
-         description="PT2E dynamic int8 (activations quantized at run time), compiled")
+         description="PT2E dynamic int8 of the Linear layers (activations quantized at run "
+                     "time), compiled")
 def make_dynamic(ctx) -> dict:
     import torch
 

@@ -79,9 +79,13 @@ def test_int8_variants_store_their_weights_in_int8_and_count_int8_ops_in_what_ru
     int8_bin = run.entry("openvino-int8")["files"][0]["bytes"]
     assert weights // 4 <= int8_bin <= weights // 4 + 2048
     assert run.entry("openvino-fp32")["files"][0]["bytes"] >= weights
-    # Dynamic quantization leaves the convolutions float and makes the Linear layer int8.
+    # Dynamic quantization leaves the convolutions float, weights included, and makes the
+    # Linear layer int8.
     dynamic = run.entry("torch-dynamic")["quantization"]["op_counts"]
     assert dynamic["Conv"] == {"int8": 0, "float": 3} and dynamic["Linear"]["int8"] == 1
+    linear = [m.weight.numel() for m in torch_runtime.load_float_module(run, "amp").modules()
+              if isinstance(m, torch.nn.Linear)]
+    assert stored_weight_bytes(run, "torch-dynamic")["int8"] == sum(linear)
     assert run.entry("fp32-compiled")["quantization"]["op_counts"]["Conv"]["int8"] == 0
 
 
