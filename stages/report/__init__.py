@@ -306,6 +306,10 @@ def diagnose_slow(row: dict) -> str:
         return ("a QOperator graph runs per-channel int8 convolutions on slow reference kernels; "
                 "use the QDQ format")
     float_left = {k: c["float"] for k, c in counts.items() if c["float"]}
+    if float_left and (quantization.get("options") or {}).get("dynamic"):
+        parts = ", ".join(f"its {n} {k} layers" for k, n in float_left.items())
+        return (f"dynamic int8 quantizes the fully connected layers alone, and {parts} run in "
+                "float as in the float model; static int8 quantizes them")
     if float_left:
         parts = ", ".join(f"{n} of {total[k]} {k}" for k, n in float_left.items())
         return (f"{parts} layers still run in float, so it pays for quantizing and "

@@ -262,14 +262,16 @@ def make_dynamic(ctx) -> dict:
         return ctx.refuse("ort-dynamic", "not made: the model has no fully connected layer "
                           "(MatMul), the only kind dynamic int8 quantizes here; ort-static "
                           "quantizes convolutions")
-    options = {"weight_type": "QInt8", "per_channel": False, "op_types": DYNAMIC_OP_TYPES}
+    options = {"dynamic": True, "weight_type": "QInt8", "per_channel": False,
+               "op_types": DYNAMIC_OP_TYPES}
     source = ort_session(ctx.run.verified_path("onnx-fp32"), ctx.threads)
     record = ctx.score_without_search(
         "ort-dynamic", lambda images: ort_predict(ort_session(made, ctx.threads), images),
         lambda images: ort_predict(source, images), options)
     if record["chosen"] is None:
         return ctx.not_kept("ort-dynamic", record)
-    return _finish(ctx, "ort-dynamic", made, "onnx-fp32", options | {"tuning": record})
+    return _finish(ctx, "ort-dynamic", made, "onnx-fp32", {"options": options,
+                                                           "tuning": record})
 
 
 def _pre_processed(ctx, equalize: bool) -> Path:

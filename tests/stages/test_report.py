@@ -167,6 +167,12 @@ def test_warnings_explain_slow_int8_from_what_it_contains():
     assert "torch-static loses 3.00 points of validation accuracy" in found[2]
     rows[4]["op_counts"] = {"Conv": {"int8": 1, "float": 2}}
     assert report.diagnose_slow(rows[4]).startswith("2 of 3 Conv layers still run in float")
+    # Dynamic int8 of a conv net's classifier: its convolutions were never meant to be int8.
+    rows[2]["op_counts"] = {"Conv": {"int8": 0, "float": 20}, "Linear": {"int8": 1, "float": 0}}
+    rows[2]["quantization"] = {"options": {"dynamic": True}}
+    assert report.diagnose_slow(rows[2]) == (
+        "dynamic int8 quantizes the fully connected layers alone, and its 20 Conv layers run in "
+        "float as in the float model; static int8 quantizes them")
 
 
 def test_report_markdown_says_what_it_chose_on_and_what_it_measured(tiny_run):
