@@ -196,10 +196,9 @@ def tune(backend: dict, candidates: list[dict], reference: dict, budget_points: 
          seconds: float | None = None) -> tuple[Trial | None, dict]:
     """Score every candidate, keep the fastest within the budget (timed only when there is a
     choice); fall back to float layers if none meets it and the backend lists its layers.
-    ``seconds`` (--tuning-time) bounds
-    the search: candidates and layers not reached in time are not tried, and the record says
-    so. Returns the chosen trial, or None where nothing met the budget (the caller keeps
-    nothing), and a record of what was tried and why."""
+    ``seconds`` (--tuning-time) bounds the search: candidates and layers not reached in time
+    are not tried, and the record says so. Returns the chosen trial, or None where nothing met
+    the budget (the caller keeps nothing), and a record of what was tried and why."""
     import time
 
     deadline = time.monotonic() + seconds if seconds else None
