@@ -3,7 +3,7 @@
 - tiny_run: smallcnn on 8x8 digits, trained (amp in bf16 beside fp32), every variant quantize
   makes, and a report; the fast tier's one trained run.
 - tiny_qat_run: a copy of it fine-tuned by the qat stage and reported again (slow: torchao
-  exports about a hundred pattern graphs the first time QAT runs in a process).
+  exports some thirty pattern graphs the first time QAT runs in a process).
 - cheap_run: a copy of one trained for an epoch in fp32 with ort-static and a report at
   batches 1 and 32, for tests that need a complete run folder and not what is in it.
 

@@ -42,3 +42,22 @@ def test_the_cache_is_installed_where_torchao_looks_the_function_up():
 
     assert utils._get_aten_graph_module_for_pattern is qat_utils._get_aten_graph_module_for_pattern
     assert hasattr(utils._get_aten_graph_module_for_pattern, "__wrapped__")
+    assert hasattr(qat_utils._fuse_conv_bn_qat_helper, "__wrapped__")
+    assert hasattr(qat_utils._fold_conv_bn_qat_helper, "__wrapped__")
+
+
+def test_conv_bn_rewrites_run_only_for_convolutions_the_graph_has():
+    rewritten = []
+
+    def rewrite(m, conv_fn, example_inputs, is_cuda=False):
+        rewritten.append(conv_fn.__name__)
+        return m
+
+    where_present = torchao_patterns.only_for_convolutions_present(rewrite)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2)).eval()
+    graph = torch.export.export(model, (torch.randn(1, 1, 6, 6),)).module()
+    functional = torch.nn.functional
+    for conv_fn in (functional.conv1d, functional.conv2d, functional.conv_transpose1d,
+                    functional.conv_transpose2d):
+        assert where_present(graph, conv_fn, (), is_cuda=False) is graph
+    assert rewritten == ["conv2d"]
