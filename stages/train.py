@@ -64,7 +64,9 @@ from stages.shared.training import DeviceSums, Parts, build_parts, train_step
 from stages.shared.weights import initial_weights
 
 LOG_EVERY_CUDA = 50
-MEMORY_PROBE_STEPS = 8
+# The first step allocates gradients and SGD momentum; later ones reuse them: resnet18 on the
+# digits peaked within 0.3% after 3 steps as after 8, in 6.4 s of probe instead of 9.1.
+MEMORY_PROBE_STEPS = 3
 
 
 @dataclass
