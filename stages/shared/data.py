@@ -1,12 +1,13 @@
 """Data sets, seeded stratified splits, loaders that resume mid-epoch, calibration subsets.
 
-The default data set, scikit-learn's handwritten digits, ships inside an installed package, so
-the whole chain runs with no download. The others are read by torchvision from --data-dir.
+The default data set, UCI's handwritten digits (stages/shared/digits.npz, 45 kB), ships inside
+this package, so the whole chain runs with no download and no extra dependency. The others are read by torchvision from --data-dir.
 Calibration and validation always come from the training split; the test split is only ever
 used to measure.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
@@ -55,21 +56,48 @@ class DataSplits:
 
 
 def _stratified_split(labels, fraction: float, seed: int):
-    """Indices (kept, held_out) with ``fraction`` of every class held out, fixed by ``seed``."""
+    """Indices (kept, held_out), sorted, with ``fraction`` of every class held out at random
+    (fixed by ``seed``): ceil(fraction x all) in total, shared among the classes in proportion
+    to their sizes (largest remainders first), and at least one image of each class on each
+    side."""
     import numpy as np
-    from sklearn.model_selection import train_test_split
 
-    indices = np.arange(len(labels))
-    try:
-        return train_test_split(indices, test_size=fraction, random_state=seed, stratify=labels)
-    except ValueError as exc:  # a class with a single image cannot be stratified
-        raise PipelineError(f"cannot hold out {fraction:g} of every class: {exc}") from None
+    labels = np.asarray(labels)
+    classes, counts = np.unique(labels, return_counts=True)
+    if (counts < 2).any():
+        lonely = classes[counts < 2][0]
+        raise PipelineError(f"cannot hold out {fraction:g} of every class: class {lonely} has a "
+                            "single image; give every class two or more")
+    total = math.ceil(fraction * len(labels))
+    share = counts * total / len(labels)
+    held = np.floor(share).astype(int)
+    by_remainder = np.argsort(-(share - held), kind="stable")
+    held[by_remainder[:total - held.sum()]] += 1
+    held = np.clip(held, 1, counts - 1)
+    rng = np.random.default_rng(seed)
+    kept, held_out = [], []
+    for label, count in zip(classes, held):
+        members = rng.permutation(np.flatnonzero(labels == label))
+        held_out.append(members[:count])
+        kept.append(members[count:])
+    return np.sort(np.concatenate(kept)), np.sort(np.concatenate(held_out))
+
+
+def digits_arrays():
+    """The digits as shipped: images (1797, 8, 8) of 0..16 and labels (1797,), uint8."""
+    import numpy as np
+
+    with np.load(Path(__file__).with_name("digits.npz"), allow_pickle=False) as data:
+        return data["images"], data["labels"]
 
 
 @register_dataset("digits")
 def digits(image_size: int = 32, seed: int = 0, val_fraction: float = 0.1,
            in_channels: int | None = None, **_: object) -> DataSplits:
-    """scikit-learn's 1,797 8x8 grey digits, scaled to [0, 1], normalised, resized to image_size.
+    """The 1,797 8x8 grey digits of UCI's Optical Recognition of Handwritten Digits (test set;
+    E. Alpaydin and C. Kaynak, 1998; CC BY 4.0), shipped in stages/shared/digits.npz (the copy
+    scikit-learn ships as load_digits, pixels 0..16), scaled to [0, 1], normalised, resized to
+    image_size.
 
     The test split (20%) depends only on a fixed seed (0), never on --seed, so every run of every
     seed is scored on the same images; --seed moves the train/val split and training only.
@@ -77,13 +105,12 @@ def digits(image_size: int = 32, seed: int = 0, val_fraction: float = 0.1,
     import numpy as np
     import torch
     import torch.nn.functional as F
-    from sklearn.datasets import load_digits
 
-    bunch = load_digits()
-    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.tensor(bunch.target, dtype=torch.long)
-    rest, test = _stratified_split(bunch.target, 0.2, seed=0)
-    train, val = _stratified_split(bunch.target[rest], val_fraction, seed=seed)
+    raw_images, raw_labels = digits_arrays()
+    images = torch.tensor(raw_images, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(raw_labels, dtype=torch.long)
+    rest, test = _stratified_split(raw_labels, 0.2, seed=0)
+    train, val = _stratified_split(raw_labels[rest], val_fraction, seed=seed)
     train, val = rest[train], rest[val]
 
     # Statistics of train+val, never test, and independent of --seed so test inputs are fixed.

@@ -23,19 +23,17 @@ from tests.conftest import FROM_QUANTIZE
 def _digit_files(folder: Path, count: int = 12) -> tuple[list[Path], list[int]]:
     """Test-split digits as the 8-bit PNG files a user would have (the data set's 0..16 scaled
     to 0..255), and their labels."""
-    from sklearn.datasets import load_digits
+    from stages.shared.data import _stratified_split, digits_arrays
 
-    from stages.shared.data import _stratified_split
-
-    bunch = load_digits()
-    _, test = _stratified_split(bunch.target, 0.2, seed=0)
+    images, targets = digits_arrays()
+    _, test = _stratified_split(targets, 0.2, seed=0)
     folder.mkdir(parents=True, exist_ok=True)
     paths, labels = [], []
     for index in sorted(test)[:count]:
         path = folder / f"digit-{index}.png"
-        Image.fromarray(np.round(bunch.images[index] * 255 / 16).astype(np.uint8)).save(path)
+        Image.fromarray(np.round(images[index] * (255 / 16)).astype(np.uint8)).save(path)
         paths.append(path)
-        labels.append(int(bunch.target[index]))
+        labels.append(int(targets[index]))
     return paths, labels
 
 

@@ -57,3 +57,24 @@ def test_the_selection_images_are_streamed_not_decoded_whole():
                         image_size=8)
     images, labels = tuning_images(splits, calibration_samples=512, seed=0, limit=1024)
     assert len(images) == 1024 and val.decoded == 300 and train.decoded == 724
+
+
+def test_the_stratified_split_shares_the_held_out_part_among_classes_in_proportion():
+    import numpy as np
+    import pytest
+
+    from stages.shared.data import _stratified_split
+    from stages.shared.errors import PipelineError
+
+    labels = np.array([0] * 50 + [1] * 30 + [2] * 3 + [3] * 2)
+    kept, held = _stratified_split(labels, 0.2, seed=0)
+    assert sorted(np.concatenate([kept, held])) == list(range(85))
+    # ceil(0.2 x 85) = 17 is 10 + 6 + 0.6 + 0.4 by proportion: the larger remainder gets the
+    # seventeenth, and the last class one more, since every class keeps one image and holds
+    # one out however small its share.
+    assert np.bincount(labels[held]).tolist() == [10, 6, 1, 1]
+    assert np.bincount(labels[kept]).tolist() == [40, 24, 2, 1]
+    again, other = _stratified_split(labels, 0.2, seed=0), _stratified_split(labels, 0.2, seed=1)
+    assert np.array_equal(again[1], held) and not np.array_equal(other[1], held)
+    with pytest.raises(PipelineError, match="class 9 has a single image; give every class two"):
+        _stratified_split(np.array([0, 0, 9]), 0.5, seed=0)
