@@ -1,7 +1,8 @@
 """Data sets, seeded stratified splits, loaders that resume mid-epoch, calibration subsets.
 
 The default data set, UCI's handwritten digits (stages/shared/digits.npz, 45 kB), ships inside
-this package, so the whole chain runs with no download and no extra dependency. The others are read by torchvision from --data-dir.
+this package, so the whole chain runs with no download and no extra dependency. The others are
+read by torchvision from --data-dir.
 Calibration and validation always come from the training split; the test split is only ever
 used to measure.
 """
