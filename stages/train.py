@@ -65,7 +65,7 @@ from stages.shared.weights import initial_weights
 
 LOG_EVERY_CUDA = 50
 # The first step allocates gradients and SGD momentum; later ones reuse them: resnet18 on the
-# digits peaked within 0.3% after 3 steps as after 8, in 6.4 s of probe instead of 9.1.
+# digits peaked within 0.3% after 3 steps as after 8, in 6.3 to 6.6 s of probe, not 9.1 to 9.2.
 MEMORY_PROBE_STEPS = 3
 
 

@@ -1,6 +1,9 @@
+import numpy as np
+import pytest
 import torch
 
-from stages.shared.data import calibration_batches, load_dataset
+from stages.shared.data import _stratified_split, calibration_batches, load_dataset
+from stages.shared.errors import PipelineError
 
 
 def _rows(tensor):
@@ -60,12 +63,6 @@ def test_the_selection_images_are_streamed_not_decoded_whole():
 
 
 def test_the_stratified_split_shares_the_held_out_part_among_classes_in_proportion():
-    import numpy as np
-    import pytest
-
-    from stages.shared.data import _stratified_split
-    from stages.shared.errors import PipelineError
-
     labels = np.array([0] * 50 + [1] * 30 + [2] * 3 + [3] * 2)
     kept, held = _stratified_split(labels, 0.2, seed=0)
     assert sorted(np.concatenate([kept, held])) == list(range(85))
