@@ -1,15 +1,18 @@
 """Does the report time each variant as it would run alone?
 
     .venv/bin/python benchmarks/isolation.py [--run NAME] [--artifacts-dir artifacts]
-                                             [--batch-size 32] [--processes 3] [--seconds 3]
+                                             [--batch-size 32] [--processes 5] [--seconds 3]
 
 Times every variant of a run alone, each in a fresh process of its own: it loads the variant,
 warms it up and times calls for about --seconds, nothing else running in the process. Every
 variant gets --processes such processes, interleaved (one process per variant in turn, then
 again), so that the machine's slow moments fall on all of them alike. Then it prints, for each
 variant, the speed-up against the fastest float variant that the run's report measured (all
-variants in one process, interleaved) beside the same ratio from the isolated processes. The
-run needs a report (`pipeline report`). Nothing in the run folder is written.
+variants in one process, interleaved) beside the same ratio from the isolated processes: taken
+round by round (a variant's process against the fastest float's process of the same round, a
+minute apart at most, so that the machine's slower quarter-hours cancel), its median over the
+rounds, and the range of the rounds, which is how far the isolated reference itself can be
+trusted. The run needs a report (`pipeline report`). Nothing in the run folder is written.
 """
 from __future__ import annotations
 
@@ -71,7 +74,7 @@ def main() -> None:
     parser.add_argument("--run", dest="run_name", default=None)
     parser.add_argument("--artifacts-dir", type=Path, default=Path("artifacts"))
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--processes", type=int, default=3, help="per variant")
+    parser.add_argument("--processes", type=int, default=5, help="per variant")
     parser.add_argument("--seconds", type=float, default=3.0, help="of timed calls per process")
     parser.add_argument("--threads", type=int, default=0, help="0: as the report used")
     parser.add_argument("--worker", metavar="VARIANT", help=argparse.SUPPRESS)
@@ -103,18 +106,22 @@ def main() -> None:
           f"{args.seconds:g} s per variant")
     print(f"fastest float: {fastest} in the report, {min(floats, key=alone.get)} alone")
     print("| variant | report p50 ms | alone p50 ms | report vs fastest float | alone vs fastest "
-          "float | report / alone |")
+          "float (rounds' range) | report / alone |")
     print("|---|---|---|---|---|---|")
-    worst = 0.0
+    worst, spread = 0.0, 0.0
     for variant, row in rows.items():
         in_report = row["speedup_vs_best_float"][size]
-        ratio_alone = alone[fastest] / alone[variant]
+        rounds = [f / v for f, v in zip(medians[fastest], medians[variant], strict=True)]
+        ratio_alone = statistics.median(rounds)
         off = in_report["ratio"] / ratio_alone
         worst = max(worst, abs(off - 1.0))
+        spread = max(spread, max(rounds) / min(rounds) - 1.0)
         print(f"| {variant} | {row['latency_ms'][size]['p50']:.2f} | {alone[variant]:.2f} | "
               f"{in_report['ratio']:.2f}x ({in_report['low']:.2f}-{in_report['high']:.2f}) | "
-              f"{ratio_alone:.2f}x | {off:.3f} |")
+              f"{ratio_alone:.2f}x ({min(rounds):.2f}-{max(rounds):.2f}) | {off:.3f} |")
     print(f"largest difference between the report's ratio and the isolated one: {worst:.1%}")
+    print(f"largest spread of one variant's isolated ratio across rounds (high/low): "
+          f"{spread:.1%}")
 
 
 if __name__ == "__main__":

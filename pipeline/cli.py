@@ -425,9 +425,9 @@ def qat(ctx: click.Context, **flags) -> Processor:
               help="Try several static configurations per backend on held-out training images; "
                    "keep the fastest within --max-accuracy-drop.")
 @click.option("--max-accuracy-drop", type=float, metavar="POINTS",
-              help="Validation accuracy a static model may lose against its float source; "
-                   "beyond it, sensitive layers stay float, and a model that still misses it "
-                   "is not kept.  [default: 1.0]")
+              help="Held-out accuracy (points) a static model may lose against its float "
+                   "source, at 95% confidence; beyond it, sensitive layers stay float, and a "
+                   "model that still misses it is not kept.  [default: 1.0]")
 @click.option("--tuning-time", metavar="DURATION",
               help="Time each static backend's search may take (90s, 5m, 1h): what was not "
                    "reached is not tried.  [default: no limit]")
@@ -481,8 +481,8 @@ def quantize(ctx: click.Context, **flags) -> Processor:
               help="Stop adding rounds after this long, per batch size.  [default: 20]")
 @click.option("--warmup", type=int, help="Untimed calls first.  [default: 3]")
 @click.option("--max-accuracy-drop", type=float, metavar="POINTS",
-              help="Validation accuracy the recommended variant may lose against fp32.  "
-                   "[default: 1.0]")
+              help="Held-out accuracy (points) the recommended variant may lose against "
+                   "fp32, at 95% confidence.  [default: 1.0]")
 @click.option("--fail-under-speedup", type=float, metavar="X",
               help="Exit 1 when the recommended variant is less than X times faster than fp32.")
 @click.option("--fail-under-float-speedup", type=float, metavar="X",

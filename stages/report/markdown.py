@@ -31,8 +31,10 @@ def _verdict_paragraph(report: dict) -> list[str]:
     lines = [
         f"**Ship `{v['recommended']}`** for batches of {v['batch_size']} on the CPU. Of the "
         "variants "
-        f"within {v['max_accuracy_drop_points']:g} point(s) of `{ref}` on held-out images "
-        f"({judged['samples']} for it: {where}), it has the lowest p50 latency: "
+        f"within {v['max_accuracy_drop_points']:g} point(s) of `{ref}` on held-out images at 95% "
+        f"confidence ({judged['samples']} for it: {where}; "
+        f"{v['validation_change_points']:+.2f} points, at worst "
+        f"{v['validation_worst_change_points']:+.2f}), it has the lowest p50 latency: "
         f"{_ratio(big['speedup_vs_best_float'])} faster than the "
         f"fastest float variant, `{big['best_float']}`, and "
         f"{_ratio(big['speedup_vs_reference'])} faster than `{ref}` eager, at "
@@ -125,11 +127,13 @@ def _quantization(report: dict) -> list[str]:
         if len(record.get("tried", [])) < 2:
             continue
         lines += ["", f"`{r['name']}` configurations tried on {record['images']} held-out "
-                  "training images:", "", "| configuration | accuracy change (points) | p50 ms |",
-                  "|---|---|---|"]
+                  "training images:", "", "| configuration | accuracy change (points) | at "
+                  "worst, 95% | p50 ms |", "|---|---|---|---|"]
         for t in record["tried"]:
             ms = f"{t['latency_ms_p50']:.2f}" if t["latency_ms_p50"] is not None else "-"
-            lines.append(f"| {t['label']} | {0.0 - t['drop_points']:+.2f} | {ms} |")
+            worst = t.get("worst_drop_points")  # absent from runs quantized before 2026-12-02
+            worst = f"{0.0 - worst:+.2f}" if worst is not None else "-"
+            lines.append(f"| {t['label']} | {0.0 - t['drop_points']:+.2f} | {worst} | {ms} |")
     lines += _sensitive_layers(report)
     if report["parity"]:
         lines += ["", "| parity on the test images | max logit difference | top-1 agreement |",

@@ -1,6 +1,8 @@
 """Choosing a static int8 configuration: score candidates on held-out training images, keep the
 fastest within the accuracy budget, and where none meets it keep the most sensitive layers in
-float until it does.
+float until it does. Within the budget means the held-out images show it at 95% confidence
+(one-sided: the measured loss plus 1.645 standard errors of the paired change), so that a
+candidate is not kept because its noise flattered it.
 
 Backend-agnostic: a backend is a dict of plain functions (build a model for some options and
 float layers, predict with it, make a call to time on a batch, list its layers for some
@@ -23,6 +25,7 @@ class Trial:
     model: Any
     val_accuracy: float
     drop_points: float  # accuracy lost against the float source, in points (negative: gained)
+    worst_drop_points: float  # what it may lose at worst, one-sided 95%: what the budget holds
     logit_mse: float  # mean squared difference of logits from the float source's
     agreement: float
     latency_ms: float | None = None
@@ -31,6 +34,7 @@ class Trial:
         return {"label": label(self.options), "options": self.options,
                 "float_layers": list(self.float_layers),
                 "val_accuracy": self.val_accuracy, "drop_points": self.drop_points,
+                "worst_drop_points": self.worst_drop_points,
                 "logit_mse": self.logit_mse, "agreement": self.agreement,
                 "latency_ms_p50": self.latency_ms}
 
@@ -63,14 +67,19 @@ def score(backend: dict, options: dict, float_layers: tuple[str, ...], reference
     """Build one candidate and measure it against the float source on the validation images."""
     import torch
 
+    from stages.shared.evaluate import accuracy as exact_accuracy
+    from stages.shared.stats import worst_change
+
     model = backend["build"](options, float_layers)
     logits = backend["predict"](model, reference["images"])
-    from stages.shared.evaluate import accuracy as exact_accuracy
-
     accuracy = exact_accuracy(logits, reference["labels"])
+    hits = logits.argmax(1) == reference["labels"]
+    float_hits = reference["logits"].argmax(1) == reference["labels"]
+    worst = worst_change(int((hits & ~float_hits).sum()), int((float_hits & ~hits).sum()),
+                         len(hits))
     return Trial(
         options=options, float_layers=tuple(float_layers), model=model, val_accuracy=accuracy,
-        drop_points=(reference["accuracy"] - accuracy) * 100,
+        drop_points=(reference["accuracy"] - accuracy) * 100, worst_drop_points=-worst * 100,
         logit_mse=float(torch.mean((logits - reference["logits"]) ** 2)),
         agreement=float((logits.argmax(1) == reference["logits"].argmax(1)).float().mean()))
 
@@ -88,7 +97,7 @@ def time_trials(backend: dict, trials: list[Trial], shape: tuple[int, ...]) -> N
 
 
 def _within(trial: Trial, budget_points: float) -> bool:
-    return trial.drop_points <= budget_points + 1e-9
+    return trial.worst_drop_points <= budget_points + 1e-9
 
 
 def choose(trials: list[Trial], budget_points: float) -> tuple[Trial | None, str]:
@@ -96,7 +105,7 @@ def choose(trials: list[Trial], budget_points: float) -> tuple[Trial | None, str
     within = [t for t in trials if _within(t, budget_points)]
     if not within:
         return None, (f"none of {len(trials)} configuration(s) stayed within {budget_points:g} "
-                      "point(s) of the float model on the validation images")
+                      "point(s) of the float model on the held-out images at 95% confidence")
     if len(trials) == 1:
         return within[0], "the one configuration asked for is within the budget"
     best = min(within, key=lambda t: t.latency_ms)
@@ -166,7 +175,8 @@ def keep_sensitive_layers_float(backend: dict, options: dict, layers: list[str],
             break
         candidate = score(backend, options, tuple(kept + [layer]), reference)
         tried += 1
-        say(f"  float: {', '.join(kept + [layer])} -> {0.0 - candidate.drop_points:+.2f} points")
+        say(f"  float: {', '.join(kept + [layer])} -> {0.0 - candidate.drop_points:+.2f} points "
+            f"(at worst {0.0 - candidate.worst_drop_points:+.2f})")
         # A layer joins the float set only if it brings the logits closer: one that helps
         # neither alone nor with the others would cost speed for nothing.
         if candidate.logit_mse < trial.logit_mse * 0.99:
@@ -183,7 +193,8 @@ def keep_sensitive_layers_float(backend: dict, options: dict, layers: list[str],
                    f"({len(layers) - len(ranked)} not yet ranked)")
     else:
         stopped = "every layer was tried"
-    say(f"  {len(kept)} layer(s) kept in float, {0.0 - trial.drop_points:+.2f} points: {stopped}")
+    say(f"  {len(kept)} layer(s) kept in float, {0.0 - trial.drop_points:+.2f} points (at worst "
+        f"{0.0 - trial.worst_drop_points:+.2f}): {stopped}")
     key = "error" if errors is not None else "logit_mse_gain"
     return {"trial": trial, "all_int8": baseline, "met_budget": _within(trial, budget_points),
             "stopped": stopped, "ranked_by": method,
@@ -212,8 +223,8 @@ def tune(backend: dict, candidates: list[dict], reference: dict, budget_points: 
         time_trials(backend, trials, tuple(reference["images"].shape[1:]))
     for trial in trials:
         latency = f", {trial.latency_ms:.2f} ms" if trial.latency_ms is not None else ""
-        say(f"  {label(trial.options)}: accuracy change {0.0 - trial.drop_points:+.2f} points"
-            f"{latency}")
+        say(f"  {label(trial.options)}: accuracy change {0.0 - trial.drop_points:+.2f} points "
+            f"(at worst {0.0 - trial.worst_drop_points:+.2f}){latency}")
     chosen, why = choose(trials, budget_points)
     from stages.shared.machine import cpu_info
 
@@ -227,9 +238,9 @@ def tune(backend: dict, candidates: list[dict], reference: dict, budget_points: 
     if untried:
         why += f"; --tuning-time spent before {', '.join(untried)} could be tried"
     if chosen is None and "layers" not in backend:  # dynamic int8: nothing to keep in float
-        record["closest"] = min(trials, key=lambda t: t.drop_points).summary()
+        record["closest"] = min(trials, key=lambda t: t.worst_drop_points).summary()
     elif chosen is None and not _out_of_time(deadline):
-        closest = min(trials, key=lambda t: t.drop_points)
+        closest = min(trials, key=lambda t: t.worst_drop_points)
         say(f"  {why}; keeping the most sensitive layers in float")
         errors = backend.get("errors", lambda options: None)(closest.options)
         fallback = keep_sensitive_layers_float(backend, closest.options,
@@ -245,7 +256,8 @@ def tune(backend: dict, candidates: list[dict], reference: dict, budget_points: 
                 record["fallback"]["latency_ms_all_int8"] = all_int8.latency_ms
         else:
             why += (f"; with {len(found.float_layers)} layer(s) in float still "
-                    f"{0.0 - found.drop_points:+.2f} points ({fallback['stopped']})")
+                    f"{0.0 - found.drop_points:+.2f} points, at worst "
+                    f"{0.0 - found.worst_drop_points:+.2f} ({fallback['stopped']})")
             record["closest"] = found.summary()
     record["chosen"] = chosen.summary() if chosen is not None else None
     record["why"] = why

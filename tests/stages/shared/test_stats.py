@@ -6,6 +6,7 @@ from stages.shared.stats import (
     newcombe_unpaired,
     paired_difference_interval,
     wilson_interval,
+    worst_change,
 )
 
 
@@ -68,3 +69,15 @@ def test_paired_difference_detects_a_real_loss_and_tolerates_noise():
     swapped = [False] + [True] * 299 + [True] + [False] * 59  # one flip each way
     noisy = paired_difference_interval(base, swapped)
     assert noisy["low"] < 0 < noisy["high"]
+
+
+def test_worst_change_is_the_change_less_1645_standard_errors_of_the_pairs():
+    # 1,000 images, 10 gained and 30 lost: change -0.02, variance of one pair 0.04 - 0.0004.
+    assert worst_change(10, 30, 1000) == pytest.approx(-0.02 - 1.645 * (0.0396 / 1000) ** 0.5)
+    assert worst_change(0, 0, 925) == 0.0  # never disagreeing, nothing more is possible
+    assert worst_change(3, 0, 925) < 3 / 925  # a gain measured is not a gain for sure
+    reference = [True] * 900 + [False] * 100
+    candidate = [False] * 30 + [True] * 870 + [True] * 10 + [False] * 90
+    result = paired_difference_interval(reference, candidate)
+    assert result["worst"] == pytest.approx(worst_change(10, 30, 1000))
+    assert result["low"] < result["worst"] < result["difference"]  # one-sided: nearer

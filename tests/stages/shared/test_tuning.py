@@ -87,13 +87,40 @@ def test_auto_tries_several_configurations_and_keeps_the_fastest_within_budget(t
 
 
 def test_choose_prefers_the_fastest_within_budget_and_says_when_none_fits():
-    def trial(drop, ms):
-        return tuning.Trial({"types": "u8s8"}, (), None, 0.9, drop, 0.0, 1.0, ms)
+    def trial(drop, ms, worst=None):
+        return tuning.Trial({"types": "u8s8"}, (), None, 0.9, drop,
+                            drop if worst is None else worst, 0.0, 1.0, ms)
 
     best, why = tuning.choose([trial(0.5, 3.0), trial(2.0, 1.0), trial(0.9, 2.0)], 1.0)
     assert best.latency_ms == 2.0 and "fastest (2.00 ms) of 2 configuration(s)" in why
     none, why = tuning.choose([trial(1.5, 1.0)], 1.0)
     assert none is None and "none of 1 configuration(s) stayed within 1 point" in why
+    # The budget holds the worst the held-out images allow, not the measured drop: a candidate
+    # measured at -0.9 whose flips leave -1.5 possible is not kept over a slower sure one.
+    best, _ = tuning.choose([trial(0.9, 1.0, worst=1.5), trial(0.3, 2.0, worst=0.8)], 1.0)
+    assert best.latency_ms == 2.0
+
+
+def test_score_bounds_the_drop_by_the_images_that_flipped():
+    """40 of 1,000 held-out images flip: 25 lost and 15 gained, a measured drop of 1.0 point;
+    at 95% confidence it may be 1.0 + 1.645 x 0.632 = 2.04 points. A model that flips none
+    loses its measured drop and no more."""
+    labels = torch.zeros(1000, dtype=torch.long)
+    reference_logits = torch.zeros(1000, 2)
+    reference_logits[:900, 0] = 1.0  # the float model gets 900 right
+    reference_logits[900:, 1] = 1.0
+    logits = reference_logits.clone()
+    logits[:25] = torch.tensor([0.0, 1.0])  # 25 it got right, now wrong
+    logits[900:915] = torch.tensor([1.0, 0.0])  # 15 it got wrong, now right
+    reference = {"images": None, "labels": labels, "logits": reference_logits,
+                 "accuracy": 0.9}
+    backend = {"build": lambda options, layers: None, "predict": lambda model, images: logits}
+    trial = tuning.score(backend, {}, (), reference)
+    assert trial.drop_points == pytest.approx(1.0)
+    assert trial.worst_drop_points == pytest.approx(1.0 + 1.645 * 0.6317, abs=1e-3)
+    assert trial.agreement == pytest.approx(0.96)
+    same = {**backend, "predict": lambda model, images: reference_logits}
+    assert tuning.score(same, {}, (), reference).worst_drop_points == pytest.approx(0.0)
 
 
 @pytest.mark.slow
@@ -157,7 +184,8 @@ def _scripted_fallback(monkeypatch, layers, logit_mse_of, errors=None, deadline=
     def score(backend, options, float_layers, reference):
         built.append(tuple(float_layers))
         mse = logit_mse_of(tuple(float_layers))
-        return tuning.Trial(options, tuple(float_layers), None, 0.9, mse * 100, mse, 0.9)
+        return tuning.Trial(options, tuple(float_layers), None, 0.9, mse * 100, mse * 100, mse,
+                            0.9)
 
     monkeypatch.setattr(tuning, "score", score)
     record = tuning.keep_sensitive_layers_float({}, {}, layers, {}, budget_points=1.0,
@@ -197,7 +225,7 @@ def test_the_fallback_stops_when_its_time_is_spent(monkeypatch):
 def test_a_time_boxed_search_tries_what_it_can_and_keeps_nothing_outside_the_budget(monkeypatch):
     def score(backend, options, float_layers, reference):
         time.sleep(0.02)
-        return tuning.Trial(options, tuple(float_layers), None, 0.9, 3.0, 0.03, 0.9)
+        return tuning.Trial(options, tuple(float_layers), None, 0.9, 3.0, 3.0, 0.03, 0.9)
 
     import time
 
@@ -218,13 +246,13 @@ def test_a_backend_without_layers_has_no_fallback_and_keeps_nothing_beyond_the_b
     """Dynamic int8 is scored as one configuration: beyond the budget it is not kept, and the
     record names how close it came, without a layer search it cannot do."""
     monkeypatch.setattr(tuning, "score", lambda backend, options, float_layers, reference:
-                        tuning.Trial(options, (), None, 0.1, 80.0, 4.0, 0.1))
+                        tuning.Trial(options, (), None, 0.1, 80.0, 80.0, 4.0, 0.1))
     chosen, record = tuning.tune({"build": None, "predict": None}, [{"per_channel": False}],
                                  {"labels": [0] * 5, "images": torch.zeros(5, 1, 8, 8)}, 1.0)
     assert chosen is None and record["chosen"] is None and "fallback" not in record
     assert record["closest"]["drop_points"] == 80.0
     assert record["why"] == ("none of 1 configuration(s) stayed within 1 point(s) of the float "
-                             "model on the validation images")
+                             "model on the held-out images at 95% confidence")
 
 
 def test_a_layer_that_helps_only_with_another_is_still_tried(monkeypatch):
