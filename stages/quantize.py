@@ -69,7 +69,10 @@ def post_training_verdict(run: Run, names: list[str], budget_points: float) -> t
             if closest is not None:
                 drops[name] = float("inf")
             continue
-        tuning = run.entry(name).get("quantization", {}).get("tuning")
+        quantization = run.entry(name).get("quantization") or {}
+        if (quantization.get("options") or {}).get("dynamic"):
+            continue  # dynamic int8 leaves convolutions float: nothing QAT would stand in for
+        tuning = quantization.get("tuning")
         if tuning:
             chosen = tuning["chosen"]  # runs quantized before 2026-12-02 lack the bound
             drops[name] = chosen.get("worst_drop_points", chosen["drop_points"])
@@ -80,8 +83,7 @@ def post_training_verdict(run: Run, names: list[str], budget_points: float) -> t
                        "training is needed")
     if not drops:
         return True, "no static int8 variant was made, so there is nothing for QAT to rescue"
-    losses = ", ".join(f"{n} {-d:+.2f}" if d != float("inf") else f"{n} not kept"
-                       for n, d in sorted(drops.items()))
+    losses = ", ".join(f"{n} {-d:+.2f} points at worst" if d != float("inf")
+                       else f"{n} not kept" for n, d in sorted(drops.items()))
     return False, (f"no post-training configuration kept within {budget_points:g} point(s) of "
-                   f"the float model on the held-out images at 95% confidence ({losses} points "
-                   "at worst)")
+                   f"the float model on the held-out images at 95% confidence ({losses})")

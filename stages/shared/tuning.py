@@ -149,13 +149,17 @@ def keep_sensitive_layers_float(backend: dict, options: dict, layers: list[str],
                                 budget_points: float,
                                 say: Callable[[str], None] = lambda _: None,
                                 errors: dict[str, float] | None = None,
-                                deadline: float | None = None) -> dict:
+                                deadline: float | None = None,
+                                baseline: Trial | None = None) -> dict:
     """Keep the most sensitive layers in float, one more at a time, until the accuracy budget
     holds. Layers are ranked by ``errors`` (each layer's own quantization error, measured in
     one pass: stages/shared/sensitivity.py) where given, else by building one model per layer.
     The pass gives up after FALLBACK_PATIENCE layers in a row that do not bring the logits
-    closer, or at ``deadline`` (time.monotonic())."""
-    baseline = score(backend, options, (), reference)
+    closer, or at ``deadline`` (time.monotonic()). ``baseline``: the all-int8 trial for
+    ``options`` where the search already scored it (rebuilding it took most of a 3-minute
+    --tuning-time on efficientnet_b0, leaving no time for a layer)."""
+    if baseline is None:
+        baseline = score(backend, options, (), reference)
     if errors is not None:
         ranked = sorted(((error, layer) for layer, error in errors.items()), key=lambda g: -g[0])
         method = "one pass: each layer's own quantization error on calibration images"
@@ -245,7 +249,8 @@ def tune(backend: dict, candidates: list[dict], reference: dict, budget_points: 
         errors = backend.get("errors", lambda options: None)(closest.options)
         fallback = keep_sensitive_layers_float(backend, closest.options,
                                                backend["layers"](closest.options), reference,
-                                               budget_points, say, errors, deadline)
+                                               budget_points, say, errors, deadline,
+                                               baseline=closest)
         found, all_int8 = fallback.pop("trial"), fallback.pop("all_int8")
         record["fallback"] = fallback | {"float_layers": list(found.float_layers)}
         if fallback["met_budget"]:

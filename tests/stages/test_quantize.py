@@ -265,8 +265,8 @@ def test_auto_goes_on_to_qat_only_when_every_post_training_variant_misses_the_bu
     met, why = post_training_verdict(run_with({"torch-static": 2.5, "ort-static": 1.2}), names, 1.0)
     assert not met
     assert why == ("no post-training configuration kept within 1 point(s) of the float model on "
-                   "the held-out images at 95% confidence (ort-static -1.20, torch-static -2.50 "
-                   "points at worst)")
+                   "the held-out images at 95% confidence (ort-static -1.20 points at worst, "
+                   "torch-static -2.50 points at worst)")
     # What counts is the worst the held-out images allow, not the measured drop.
     met, why = post_training_verdict(run_with({"ort-static": 0.6}, worst={"ort-static": 1.3}),
                                      names, 1.0)
@@ -274,6 +274,13 @@ def test_auto_goes_on_to_qat_only_when_every_post_training_variant_misses_the_bu
     # A search that kept nothing counts as missing the budget.
     met, why = post_training_verdict(run_with({"torch-static": 2.5}, ["ort-static"]), names, 1.0)
     assert not met and why.endswith("(ort-static not kept, torch-static -2.50 points at worst)")
+    # A dynamic variant within the budget rescues nothing: its convolutions stay float (on
+    # efficientnet_b0, every static backend refused and ort-dynamic kept, QAT was skipped).
+    every_static_refused = run_with({"ort-dynamic": 0.1}, ["torch-static", "ort-static"])
+    every_static_refused.entry("ort-dynamic")["quantization"]["options"] = {"dynamic": True}
+    met, why = post_training_verdict(every_static_refused,
+                                     ["ort-dynamic", "torch-static", "ort-static"], 1.0)
+    assert not met and why.endswith("(ort-static not kept, torch-static not kept)")
 
 
 def test_compiled_kernels_that_depart_from_the_graph_are_recorded_and_said(

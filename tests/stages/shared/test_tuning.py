@@ -255,6 +255,27 @@ def test_a_backend_without_layers_has_no_fallback_and_keeps_nothing_beyond_the_b
                              "model on the held-out images at 95% confidence")
 
 
+def test_the_fallback_starts_from_the_search_s_closest_trial_without_rebuilding_it(monkeypatch):
+    """Two configurations miss the budget; the fallback goes on from the closer one as the
+    search scored it: one all-int8 model per configuration, then one per layer tried."""
+    built = []
+
+    def score(backend, options, float_layers, reference):
+        built.append((options["per_channel"], tuple(float_layers)))
+        drop = 0.5 if float_layers else (3.0 if options["per_channel"] else 2.0)
+        return tuning.Trial(options, tuple(float_layers), None, 0.9, drop, drop, drop / 100, 0.9)
+
+    monkeypatch.setattr(tuning, "score", score)
+    monkeypatch.setattr(tuning, "time_trials", lambda backend, trials, shape: None)
+    backend = {"layers": lambda options: ["conv0", "conv1"],
+               "errors": lambda options: {"conv0": 0.2, "conv1": 0.1}}
+    candidates = [{"per_channel": pc} for pc in (False, True)]
+    chosen, record = tuning.tune(backend, candidates,
+                                 {"labels": [0] * 5, "images": torch.zeros(5, 1, 8, 8)}, 1.0)
+    assert built == [(False, ()), (True, ()), (False, ("conv0",))]
+    assert chosen.float_layers == ("conv0",) and record["fallback"]["plain_drop_points"] == 2.0
+
+
 def test_a_layer_that_helps_only_with_another_is_still_tried(monkeypatch):
     """As in the outlier model: keeping the convolution that reads an outlier channel float
     helps alone; keeping the one that makes it float helps only with it (CI caught a version
