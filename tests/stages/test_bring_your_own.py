@@ -69,9 +69,13 @@ def test_a_users_model_trains_quantizes_and_is_rebuilt_from_the_manifest(tmp_pat
 
 @pytest.mark.slow
 def test_a_timm_model_trains_quantizes_and_reports(tmp_path):
+    # What is tested is that timm's graph quantizes whole, not how much one epoch keeps: the
+    # held-out images of a model this close to chance flip often, so no budget would hold at
+    # 95% confidence and its most sensitive convolutions would stay float.
     proc = _pipeline(tmp_path, "--run", "timm", "train", "--model", "timm:test_resnet",
                      "--image-size", "16", "--epochs", "1", "--precision", "fp32",
-                     "--no-baseline", "--no-measure-memory", *QUICK)
+                     "--no-baseline", "--no-measure-memory", *QUICK[:5],
+                     "--max-accuracy-drop", "100", *QUICK[5:])
     assert proc.returncode == 0, proc.stderr[-2000:]
     models = {m["name"]: m for m in _report(tmp_path, "timm")["models"]}
     assert models["ort-static"]["op_counts"]["Conv"]["int8"] >= 5
