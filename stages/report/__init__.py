@@ -264,9 +264,9 @@ def _worst_drop(row: dict) -> float:
 
 def verdict(rows: list[dict], reference: str, budget_points: float) -> dict:
     """Per batch size, the fastest variant within the accuracy budget on the held-out images
-    at 95% confidence;
-    the recommendation is the one for the largest batch size. Ranked by speed-up against the
-    fastest float variant; 'within noise' names variants whose speed cannot be told apart."""
+    at 95% confidence; the recommendation is the one for the largest batch size. Ranked by
+    speed-up against the fastest float variant; 'within noise' names variants whose speed
+    cannot be told apart."""
     by_name = {row["name"]: row for row in rows}
     within = [r for r in rows if _worst_drop(r) <= budget_points + 1e-9]
     sizes = list(rows[0]["latency_ms"])

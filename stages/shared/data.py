@@ -469,7 +469,9 @@ def _calibration_order(splits: DataSplits, seed: int) -> list[int]:
 # where 4-5% of predictions flip (efficientnet_b0 on notMNIST), the change in accuracy on 1,024
 # images has a standard error near 0.65 points, and a search that stops at the first candidate
 # within the budget keeps the one whose noise flattered it (-0.39 held-out, -2.05 on test).
-# 4,096 images halve that; a data set with fewer held-out images uses what it has.
+# 4,096 images halve that, and the budget holds the drop at 95% confidence, so that what noise
+# is left does not choose (stats.worst_change); a data set with fewer held-out images uses what
+# it has, and its wider bound says so.
 SELECTION_IMAGES = 4096
 
 

@@ -64,7 +64,7 @@ TUNING_INTERVAL = 1.1
 
 
 def score(backend: dict, options: dict, float_layers: tuple[str, ...], reference: dict) -> Trial:
-    """Build one candidate and measure it against the float source on the validation images."""
+    """Build one candidate and measure it against the float source on the held-out images."""
     import torch
 
     from stages.shared.evaluate import accuracy as exact_accuracy
