@@ -9,8 +9,9 @@ variant gets --processes such processes, interleaved (one process per variant in
 again), so that the machine's slow moments fall on all of them alike. Then it prints, for each
 variant, the speed-up against the fastest float variant that the run's report measured (all
 variants in one process, interleaved) beside the same ratio from the isolated processes: taken
-round by round (a variant's process against the fastest float's process of the same round, a
-minute apart at most, so that the machine's slower quarter-hours cancel), its median over the
+round by round (a variant's process against the fastest float's process of the same round,
+one round apart at most: about 2 minutes with 2-second processes on the default run here, so
+that the machine's slower quarter-hours cancel), its median over the
 rounds, and the range of the rounds, which is how far the isolated reference itself can be
 trusted. The run needs a report (`pipeline report`). Nothing in the run folder is written.
 """
