@@ -104,6 +104,13 @@ def _stop_workers(data_iterator) -> None:
             pass
 
 
+def _is_worker_failure(exc: BaseException) -> bool:
+    if isinstance(exc, (ConnectionError, EOFError)):  # a worker killed mid-handover breaks the pipe
+        return True
+    return isinstance(exc, RuntimeError) and any(
+        marker in str(exc) for marker in ("DataLoader worker", "DataLoader timed out"))
+
+
 @contextlib.contextmanager
 def _worker_failures(variant: str, epoch: int, pos: dict, folder: Path, data_iterator):
     """A DataLoader worker that dies or goes silent becomes one clear error. The death is
@@ -112,16 +119,24 @@ def _worker_failures(variant: str, epoch: int, pos: dict, folder: Path, data_ite
     try:
         yield
     except (RuntimeError, ConnectionError, EOFError) as exc:
-        # A worker killed while it hands over a batch breaks the pipe instead (ConnectionError).
-        text = str(exc) or type(exc).__name__
-        if isinstance(exc, RuntimeError) and not any(
-                marker in text for marker in ("DataLoader worker", "DataLoader timed out")):
+        if not _is_worker_failure(exc):
             raise
-        if hasattr(data_iterator, "_shutdown_workers"):
-            _stop_workers(data_iterator)
+        first = str(exc) or type(exc).__name__
+        # One death can arrive twice: as the broken pipe, then as its SIGCHLD, whose handler
+        # raises again wherever the main thread is until the workers are shut down (here too,
+        # before _stop_workers holds it back: a CI run saw it). Each worker dies once, so a
+        # few tries shut them down.
+        for _ in range(8):
+            try:
+                if hasattr(data_iterator, "_shutdown_workers"):
+                    _stop_workers(data_iterator)
+                break
+            except RuntimeError as again:
+                if not _is_worker_failure(again):
+                    raise
         raise PipelineError(
             f"{variant}: a DataLoader worker died or hung at epoch {epoch} step "
-            f"{pos['step_in_epoch'] + 1} ({text.splitlines()[0][:160]}); checkpoints in "
+            f"{pos['step_in_epoch'] + 1} ({first.splitlines()[0][:160]}); checkpoints in "
             f"{folder} are intact: fix the data or use --workers 0, then 'pipeline train "
             "--resume'") from None
 

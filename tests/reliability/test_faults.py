@@ -150,6 +150,29 @@ def test_a_dead_or_hung_worker_is_a_clear_error_and_checkpoints_stay(tmp_path, f
     assert "amp" not in run.artifacts()
 
 
+def test_a_worker_death_seen_twice_is_still_one_clear_error(tmp_path, monkeypatch):
+    """The CI race: a killed worker broke the pipe (ConnectionResetError), and its SIGCHLD's
+    handler raised torch's RuntimeError again while the first was being handled, before the
+    workers were shut down. Here the first shutdown is cut short the same way."""
+    calls = []
+
+    def cut_short_once(data_iterator):
+        calls.append(data_iterator)
+        if len(calls) == 1:
+            raise RuntimeError("DataLoader worker (pid 17375) is killed by signal: Killed. ")
+
+    monkeypatch.setattr(train, "_stop_workers", cut_short_once)
+    loader = type("Loader", (), {"_shutdown_workers": lambda self: None})()
+    with pytest.raises(PipelineError, match=r"^amp: a DataLoader worker died or hung at epoch 2 "
+                       r"step 4 \(\[Errno 104\] Connection reset by peer\)"):
+        with train._worker_failures("amp", 2, {"step_in_epoch": 3}, tmp_path, loader):
+            raise ConnectionResetError(104, "Connection reset by peer")
+    assert calls == [loader, loader]
+    with pytest.raises(ValueError, match="not the loader's"):  # other errors pass untouched
+        with train._worker_failures("amp", 2, {"step_in_epoch": 3}, tmp_path, loader):
+            raise ValueError("not the loader's")
+
+
 def test_an_artifacts_path_that_cannot_hold_runs_is_a_clear_error(tmp_path, monkeypatch):
     """A file where the folder should be, and a folder whose writes fail with EROFS as a
     read-only mount's do (the tests run as root, whom file modes do not stop)."""
