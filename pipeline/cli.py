@@ -388,6 +388,9 @@ def import_(ctx: click.Context, **flags) -> Processor:
                    "[default: 70% of --epochs]")
 @click.option("--precision", type=click.Choice(cfg.PRECISIONS),
               help="Autocast type of the fine-tuning; auto: the float model's own.")
+@click.option("--tuning-time", metavar="DURATION",
+              help="Time the fine-tuning may take (90s, 5m, 1h): once an epoch is timed, the "
+                   "epochs and the freezes are cut to what fits.  [default: no limit]")
 @_run_options
 @click.pass_context
 def qat(ctx: click.Context, **flags) -> Processor:
@@ -441,9 +444,12 @@ def quantize(ctx: click.Context, **flags) -> Processor:
         if flags.get(switch) is not None:
             flags[switch] = bool(flags[switch])
     config = _build(ctx, "quantize", flags)
-    # --auto falls back to QAT (with its own defaults) only when no post-training configuration
-    # meets the budget; built here so a bad [qat] table stops early.
-    qat_config = (_build(ctx, "qat", _common(ctx, {}, "seed", "device", "quiet"))
+    # --auto falls back to QAT (with its own defaults, in quantize's --tuning-time unless [qat]
+    # sets one) only when no post-training configuration meets the budget; built here so a bad
+    # [qat] table stops early.
+    qat_flags = ({} if "tuning_time" in ctx.obj["file"].get("qat", {})
+                 else {"tuning_time": config.tuning_time})
+    qat_config = (_build(ctx, "qat", _common(ctx, qat_flags, "seed", "device", "quiet"))
                   if config.auto else None)
 
     def process(run) -> None:

@@ -196,11 +196,15 @@ class QatConfig:
     # Epochs; then the quantization ranges stay fixed. None: 70% of the epochs (at least 1).
     freeze_observers_after: int | None = None
     precision: str = "auto"  # autocast of the fine-tuning; auto: as the model was trained
+    # Seconds the fine-tuning may take: once an epoch is timed, the epochs (and the freezes with
+    # them) are cut to what fits. quantize --auto passes its own --tuning-time on.
+    tuning_time: float | None = None
     seed: int = 0
     device: str = "auto"
     quiet: bool = False
 
     def __post_init__(self) -> None:
+        _tuning_time(self)
         _check_types(self)
         _at_least("--epochs", self.epochs, 1)
         if not self.lr > 0:
@@ -237,11 +241,8 @@ class QuantizeConfig:
     quiet: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.tuning_time, str):
-            self.tuning_time = parse_duration("--tuning-time", self.tuning_time)
+        _tuning_time(self)
         _check_types(self)
-        if self.tuning_time is not None and not self.tuning_time > 0:
-            raise ValueError(f"--tuning-time must be a positive duration, got {self.tuning_time}")
         if isinstance(self.methods, str):
             self.methods = parse_methods(self.methods)
         self.methods = tuple(self.methods)
@@ -260,6 +261,18 @@ class QuantizeConfig:
 
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
 DURATION_FIELDS = ("tuning_time",)
+
+
+def _tuning_time(config) -> None:
+    """--tuning-time as seconds: a duration such as '5m' parsed, anything else refused."""
+    if isinstance(config.tuning_time, str):
+        config.tuning_time = parse_duration("--tuning-time", config.tuning_time)
+    if config.tuning_time is None:
+        return
+    if isinstance(config.tuning_time, bool) or not isinstance(config.tuning_time, (int, float)):
+        return  # _check_types names the type
+    if not config.tuning_time > 0:
+        raise ValueError(f"--tuning-time must be a positive duration, got {config.tuning_time}")
 
 
 def parse_duration(flag: str, text: str) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from stages.runtimes import onnx_export
 from stages.runtimes import pytorch as torch_runtime
@@ -111,22 +112,25 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
     loader = make_loader(splits.train, config.batch_size, sampler)
     optimizer = torch.optim.SGD(prepared.parameters(), lr=config.lr, momentum=0.9,
                                 weight_decay=5e-4)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_schedule(config.epochs * len(loader), 0))
+    plan = Plan(config.epochs, config.freeze_bn_after, config.freeze_observers_after)
+    schedule = [lr_schedule(plan.epochs * len(loader), 0)]  # replaced where the epochs are cut
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule[0](step))
     precision = _precision(config, run, device)
     parts = Parts(prepared, prepared, optimizer, scheduler, grad_scaler(precision, device),
                   torch.nn.CrossEntropyLoss(), sampler, loader, [])
     history, best, best_acc, step = [], None, -1.0, 0
     started = time.perf_counter()
-    for epoch in range(1, config.epochs + 1):
+    epoch = 0
+    while epoch < plan.epochs:
+        epoch += 1
         move_exported_model_to_train(prepared)
-        if epoch > config.freeze_observers_after:
+        if epoch > plan.freeze_observers_after:
             prepared.apply(disable_observer)
-        if epoch > config.freeze_bn_after:
+        if epoch > plan.freeze_bn_after:
             batchnorm.freeze_graph(prepared)
         sampler.set_epoch(epoch)
         sums = DeviceSums(device)
-        for images, labels in progress(loader, desc=f"qat {epoch}/{config.epochs}",
+        for images, labels in progress(loader, desc=f"qat {epoch}/{plan.epochs}",
                                        quiet=config.quiet, total=len(loader)):
             train_step(parts, precision, device, _LoopConfig, images, labels, sums, step)
             step += 1
@@ -134,7 +138,7 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
         if seen["first_bad"] >= 0:
             raise PipelineError(f"qat: the loss became NaN or infinite at epoch {epoch}; lower "
                                 "--lr or use --precision fp32")
-        if epoch <= config.freeze_bn_after:  # the statistics it will be frozen with
+        if epoch <= plan.freeze_bn_after:  # the statistics it will be frozen with
             batchnorm.recompute_graph(prepared, splits.calibration, config.batch_size, device)
         move_exported_model_to_eval(prepared)
         # Observers left on would fit the quantization ranges to the validation images while
@@ -143,18 +147,50 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
         val_acc = dataset_accuracy(prepared, choosing, device)
         if val_acc > best_acc:  # kept with its observers off, as it was scored
             best_acc, best = val_acc, copy.deepcopy(prepared.state_dict())
-        if epoch < config.freeze_observers_after:
-            prepared.apply(enable_observer)
         history.append({"epoch": epoch, "loss": seen["loss"] / seen["seen"],
                         "train_accuracy": seen["correct"] / seen["seen"],
                         "val_accuracy": val_acc, "seconds": time.perf_counter() - started})
-        say(f"qat epoch {epoch}/{config.epochs}: loss {history[-1]['loss']:.4f} validation "
+        say(f"qat epoch {epoch}/{plan.epochs}: loss {history[-1]['loss']:.4f} validation "
             f"accuracy {val_acc:.3f} (fake-quantized)", quiet=config.quiet)
+        cut = fitted_plan(config, epoch, history[-1]["seconds"])
+        if cut.epochs < plan.epochs:
+            plan = cut
+            schedule[0] = lr_schedule(plan.epochs * len(loader), 0)
+            say(f"qat: --tuning-time {config.tuning_time:g}s fits {plan.epochs} of "
+                f"{config.epochs} epochs at {history[-1]['seconds'] / epoch:.0f} s each; "
+                f"BatchNorm frozen after {plan.freeze_bn_after}, ranges after "
+                f"{plan.freeze_observers_after}", quiet=config.quiet)
+        if epoch < plan.freeze_observers_after:
+            prepared.apply(enable_observer)
     prepared.load_state_dict(best)
     move_exported_model_to_eval(prepared)
     return prepared.cpu(), {"history": history, "precision": precision.name,
                             "stochastic_depth_off": stochastic_depth_off,
-                            "seconds": time.perf_counter() - started}
+                            "seconds": time.perf_counter() - started,
+                            "epochs": plan.epochs, "freeze_bn_after": plan.freeze_bn_after,
+                            "freeze_observers_after": plan.freeze_observers_after,
+                            "epochs_asked": config.epochs}
+
+
+class Plan(NamedTuple):
+    epochs: int
+    freeze_bn_after: int
+    freeze_observers_after: int
+
+
+def fitted_plan(config, done: int, seconds: float) -> Plan:
+    """The epochs that fit config.tuning_time at the pace of the ``done`` epochs so far (which
+    took ``seconds``), never fewer than those done, with each freeze scaled alike so that a cut
+    run still trains, then freezes BatchNorm, then the ranges."""
+    asked = Plan(config.epochs, config.freeze_bn_after, config.freeze_observers_after)
+    if config.tuning_time is None:
+        return asked
+    fits = max(done, min(config.epochs, int(config.tuning_time * done / max(seconds, 1e-9))))
+
+    def scaled(after: int) -> int:
+        return after if after == 0 else max(1, after * fits // config.epochs)
+
+    return Plan(fits, scaled(config.freeze_bn_after), scaled(config.freeze_observers_after))
 
 
 class _LoopConfig:
@@ -221,9 +257,7 @@ def run(config, run: Run) -> list[str]:
         reference = dataset_accuracy(ctx.float_model(), judging)
         qat_acc = dataset_accuracy(converted, judging)
         recipe = {"options": torch_runtime.pt2e_options(), "float_layers": [], "qat": True}
-        info = recipe | {"epochs": config.epochs, "lr": config.lr,
-                         "freeze_bn_after": config.freeze_bn_after,
-                         "freeze_observers_after": config.freeze_observers_after,
+        info = recipe | {"lr": config.lr, "tuning_time_s": config.tuning_time,
                          "validation_drop_points": (reference - qat_acc) * 100, **record}
         torch_runtime._finish(ctx, "torch-qat", converted, recipe, info)
         made = ["torch-qat"]

@@ -57,11 +57,12 @@ def tiny_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_qat_run(tiny_run, tmp_path_factory):
-    """tiny_run's copy after `qat` (one epoch) and a new report: torch-qat, maybe ort-qat."""
+    """tiny_run's copy after `qat` and a new report: torch-qat, maybe ort-qat. Three epochs
+    asked, and a --tuning-time that cuts them to the one already run once it is timed."""
     from stages import qat, report
 
     run = _copy(tiny_run["run"], tmp_path_factory.mktemp("qat") / "artifacts")
-    qat.run(QatConfig(epochs=1, quiet=True), run)
+    qat.run(QatConfig(epochs=3, tuning_time=1e-3, quiet=True), run)
     return {"run": run, "train": tiny_run["train"],
             "report": report.run(ReportConfig(**TINY_REPORT), run)}
 

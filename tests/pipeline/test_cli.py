@@ -33,6 +33,8 @@ def invoke(*args):
     (["import", "--model", "smallcnn"], "--weights is required"),
     (["quantize", "--tuning-time", "5minutes"],
      "--tuning-time '5minutes' is not a duration; give one such as 90s, 5m or 1h"),
+    (["qat", "--tuning-time", "-1m"],
+     "--tuning-time '-1m' is not a duration; give one such as 90s, 5m or 1h"),
     (["predict", "/nonexistent/photo.png"], "/nonexistent/photo.png does not exist"),
     (["export", "--variant", "fp32"], "Missing argument 'OUT_DIR'"),
     (["train", "--init-weights", "/nonexistent.pt"],
@@ -116,6 +118,26 @@ def test_config_file_values_are_type_checked_like_flags(tmp_path, table, line, n
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("qat_table, seconds", [("", 90.0), ('[qat]\ntuning_time = "5m"\n', 300.0)])
+def test_auto_gives_its_tuning_time_to_the_qat_it_goes_on_to(cheap_run, monkeypatch, tmp_path,
+                                                             qat_table, seconds):
+    """quantize --auto --tuning-time bounds the fallback to QAT too, unless [qat] sets its own."""
+    from stages import qat, quantize
+
+    given = []
+    monkeypatch.setattr(quantize, "run", lambda config, run: [])
+    monkeypatch.setattr(quantize, "post_training_verdict",
+                        lambda run, names, budget: (False, "nothing kept"))
+    monkeypatch.setattr(qat, "run", lambda config, run: given.append(config) or [])
+    config = tmp_path / "pipeline.toml"
+    config.write_text(qat_table)
+    result = invoke("--artifacts-dir", str(cheap_run.artifacts_dir), "--config", str(config),
+                    "quantize", "--auto", "--tuning-time", "90s")
+    assert result.exit_code == 0, result.stderr
+    assert "--auto: nothing kept; trying quantization-aware training" in result.output
+    assert [c.tuning_time for c in given] == [seconds]
 
 
 def test_run_and_artifacts_dir_also_follow_the_stage(tmp_path):

@@ -146,14 +146,18 @@ def test_a_value_of_the_wrong_type_is_refused_naming_its_flag(stage, data):
 
 @pytest.mark.parametrize("text, seconds", [("90", 90.0), ("90s", 90.0), ("5m", 300.0),
                                            ("1.5h", 5400.0), (" 2M ", 120.0)])
-def test_duration_fields_parse_units(text, seconds):
-    assert cfg.QuantizeConfig(tuning_time=text).tuning_time == seconds
+@pytest.mark.parametrize("config_class", [cfg.QuantizeConfig, cfg.QatConfig])
+def test_duration_fields_parse_units(text, seconds, config_class):
+    assert config_class(tuning_time=text).tuning_time == seconds
 
 
 @pytest.mark.parametrize("text", ["fast", "0", "-5m", "nan", "inf", "m", ""])
-def test_a_duration_that_is_not_one_is_refused_naming_its_flag(text):
+@pytest.mark.parametrize("config_class", [cfg.QuantizeConfig, cfg.QatConfig])
+def test_a_duration_that_is_not_one_is_refused_naming_its_flag(text, config_class):
     with pytest.raises(ValueError, match=r"^--tuning-time .* is not a duration; give one such"):
-        cfg.QuantizeConfig(tuning_time=text)
+        config_class(tuning_time=text)
+    with pytest.raises(ValueError, match=r"^--tuning-time must be a positive duration, got -5"):
+        config_class(tuning_time=-5)
 
 
 @settings(max_examples=40, deadline=None,

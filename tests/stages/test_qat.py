@@ -57,6 +57,9 @@ def test_the_qat_stage_leaves_a_checked_int8_model(tiny_qat_run):
     info = entry["quantization"]
     assert entry["stage"] == "qat" and entry["parent"] == "amp"
     assert info["qat"] is True and [h["epoch"] for h in info["history"]] == [1]
+    # --tuning-time cut the three epochs asked to the one run, and the freezes with them.
+    assert (info["epochs_asked"], info["epochs"], info["tuning_time_s"]) == (3, 1, 1e-3)
+    assert (info["freeze_bn_after"], info["freeze_observers_after"]) == (1, 1)
     assert info["op_counts"]["Conv"] == {"int8": 3, "float": 0}
     assert info["parity_vs_source"]["top1_agreement"] > 0.5
     # Inductor's int8 kernels against the graph they were compiled from, on the check images
@@ -243,6 +246,20 @@ def test_freezing_points_scale_with_the_epochs_unless_given():
     assert QatConfig(epochs=4, freeze_bn_after=0).freeze_bn_after == 0  # BN frozen from the start
     with pytest.raises(ValueError, match="--freeze-observers-after"):
         QatConfig(freeze_observers_after=0)  # quantization ranges would never be measured
+
+
+def test_tuning_time_cuts_the_epochs_to_what_fits_and_scales_the_freezes_alike():
+    from stages.qat import Plan, fitted_plan
+
+    three_minutes = QatConfig(tuning_time="3m")  # 10 epochs; BN frozen after 5, ranges after 7
+    assert fitted_plan(three_minutes, 1, 150.0) == Plan(1, 1, 1)  # efficientnet_b0's pace here
+    assert fitted_plan(three_minutes, 1, 50.0) == Plan(3, 1, 2)
+    assert fitted_plan(three_minutes, 2, 60.0) == Plan(6, 3, 4)  # the pace of the epochs so far
+    assert fitted_plan(three_minutes, 1, 10.0) == Plan(10, 5, 7)  # never more than asked
+    assert fitted_plan(three_minutes, 4, 400.0) == Plan(4, 2, 2)  # never fewer than run
+    assert fitted_plan(QatConfig(), 1, 1e6) == Plan(10, 5, 7)  # no limit: as asked
+    assert fitted_plan(QatConfig(epochs=4, freeze_bn_after=0, tuning_time=60), 1, 30.0) == Plan(
+        2, 0, 1)  # BN frozen from the start stays so
 
 
 def _depthwise_qdq_model(path, weight_scales: list[float], biases: list[float]) -> None:
