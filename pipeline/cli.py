@@ -462,8 +462,12 @@ def quantize(ctx: click.Context, **flags) -> Processor:
             click.echo(f"--auto: {why}" + ("" if met else "; trying quantization-aware training"))
             if not met:
                 from stages import qat as qat_stage
+                from stages.shared.errors import Diverged
 
-                made += qat_stage.run(qat_config, run)
+                try:
+                    made += qat_stage.run(qat_config, run)
+                except Diverged as exc:  # the post-training variants above still stand
+                    click.echo(f"--auto: quantization-aware training made nothing: {exc}")
         for variant in made:
             if variant in run.artifacts():  # a search that kept nothing said so already
                 click.echo(f"{variant}: {run.root / run.entry(variant)['path']}")

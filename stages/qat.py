@@ -22,7 +22,7 @@ from stages.runtimes.onnxruntime import onnx_op_counts, ort_predict, ort_session
 from stages.shared import batchnorm
 from stages.shared.artifacts import Run
 from stages.shared.data import EpochSampler, make_loader, validation_halves
-from stages.shared.errors import PipelineError
+from stages.shared.errors import Diverged, PipelineError
 from stages.shared.evaluate import PARITY_MIN_AGREEMENT, compare_logits, dataset_accuracy
 from stages.shared.precision import (
     Precision,
@@ -130,14 +130,26 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
             batchnorm.freeze_graph(prepared)
         sampler.set_epoch(epoch)
         sums = DeviceSums(device)
-        for images, labels in progress(loader, desc=f"qat {epoch}/{plan.epochs}",
-                                       quiet=config.quiet, total=len(loader)):
-            train_step(parts, precision, device, _LoopConfig, images, labels, sums, step)
-            step += 1
+        try:
+            for images, labels in progress(loader, desc=f"qat {epoch}/{plan.epochs}",
+                                           quiet=config.quiet, total=len(loader)):
+                train_step(parts, precision, device, _LoopConfig, images, labels, sums, step)
+                step += 1
+        except AssertionError as exc:
+            # torchao's observers assert min <= max, which NaN fails: weights that diverged
+            # reach an observer in the next forward, before the epoch's loss check (mnasnet0_5
+            # on notMNIST, 2026-12-02, in its first epoch).
+            if "should be less than max" not in str(exc):
+                raise
+            raise Diverged(
+                f"qat: the fake-quantized model diverged at epoch {epoch} step "
+                f"{step % len(loader) + 1}: its weights or activations became NaN or infinite "
+                f"(torchao's observer found min > max); lower --lr (now {config.lr:g}) or use "
+                "--precision fp32") from None
         seen = sums.read()
         if seen["first_bad"] >= 0:
-            raise PipelineError(f"qat: the loss became NaN or infinite at epoch {epoch}; lower "
-                                "--lr or use --precision fp32")
+            raise Diverged(f"qat: the loss became NaN or infinite at epoch {epoch}; lower --lr "
+                           f"(now {config.lr:g}) or use --precision fp32")
         if epoch <= plan.freeze_bn_after:  # the statistics it will be frozen with
             batchnorm.recompute_graph(prepared, splits.calibration, config.batch_size, device)
         move_exported_model_to_eval(prepared)

@@ -49,7 +49,7 @@ def _verdict_paragraph(report: dict) -> list[str]:
                   "validation split qat did not choose its epoch on. Their weights were "
                   "fine-tuned after training, so on training images they would differ from "
                   f"`{ref}` in how well they memorised them, not only in what quantization "
-                  "changed.", ""]
+                  "changed." + _epochs_cut(models.get("torch-qat")), ""]
     if big["within_noise_of"]:
         lines += [f"Within noise of it at this batch size: "
                   f"{', '.join(f'`{n}`' for n in big['within_noise_of'])} (their speed-up "
@@ -65,6 +65,15 @@ def _verdict_paragraph(report: dict) -> list[str]:
                   + (f"; within noise: {', '.join(f'`{n}`' for n in choice['within_noise_of'])}"
                      if choice["within_noise_of"] else "") + ".", ""]
     return lines
+
+
+def _epochs_cut(fine_tuned: dict | None) -> str:
+    """Where qat's --tuning-time cut the epochs: a short fine-tuning explains a weak result."""
+    info = (fine_tuned or {}).get("quantization") or {}
+    if info.get("epochs_asked", 0) <= info.get("epochs", 0):
+        return ""
+    return (f" `torch-qat` was fine-tuned for {info['epochs']} of the {info['epochs_asked']} "
+            f"epochs asked: --tuning-time {info['tuning_time_s']:g}s allowed no more.")
 
 
 def _models_table(report: dict) -> list[str]:

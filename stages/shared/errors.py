@@ -12,3 +12,8 @@ class UsageError(PipelineError):
     """A request that cannot be served as asked (exit code 2): unknown run, missing artifact."""
 
     exit_code = 2
+
+
+class Diverged(PipelineError):
+    """Training or fine-tuning whose loss or weights became NaN or infinite: quantize --auto
+    goes on without the QAT that diverged, since the variants it already made still stand."""

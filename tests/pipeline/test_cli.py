@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import cli
+from stages.shared.errors import PipelineError
 
 TINY = ["train", "--model", "smallcnn", "--image-size", "8", "--epochs", "1",
         "--no-measure-memory"]
@@ -138,6 +139,30 @@ def test_auto_gives_its_tuning_time_to_the_qat_it_goes_on_to(cheap_run, monkeypa
     assert result.exit_code == 0, result.stderr
     assert "--auto: nothing kept; trying quantization-aware training" in result.output
     assert [c.tuning_time for c in given] == [seconds]
+
+
+def test_a_qat_that_diverges_under_auto_leaves_the_post_training_variants_standing(
+        cheap_run, monkeypatch):
+    from stages import qat, quantize
+    from stages.shared.errors import Diverged
+
+    def diverges(config, run):
+        raise Diverged("qat: the fake-quantized model diverged at epoch 1 step 3: ...")
+
+    monkeypatch.setattr(quantize, "run", lambda config, run: ["ort-static"])
+    monkeypatch.setattr(quantize, "post_training_verdict",
+                        lambda run, names, budget: (False, "nothing kept"))
+    monkeypatch.setattr(qat, "run", diverges)
+    result = invoke("--artifacts-dir", str(cheap_run.artifacts_dir), "quantize", "--auto")
+    assert result.exit_code == 0, result.stderr
+    assert ("--auto: quantization-aware training made nothing: qat: the fake-quantized model "
+            "diverged at epoch 1 step 3: ...\nort-static: ") in result.output
+    assert cheap_run.entry("ort-static")  # still listed
+    # Any other failure of QAT is still the command's failure.
+    monkeypatch.setattr(qat, "run", lambda config, run: (_ for _ in ()).throw(
+        PipelineError("quantize/torch-qat.pt: No space left on device")))
+    failed = invoke("--artifacts-dir", str(cheap_run.artifacts_dir), "quantize", "--auto")
+    assert failed.exit_code == 1 and "No space left on device" in failed.stderr
 
 
 def test_run_and_artifacts_dir_also_follow_the_stage(tmp_path):

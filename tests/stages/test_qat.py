@@ -109,6 +109,8 @@ def test_a_fine_tuned_model_is_judged_on_the_validation_split_alone(tiny_qat_run
     names = ", ".join(f"`{n}`" for n in ("torch-qat", "ort-qat") if n in fine_tuned)
     assert (f"Judged on {len(judging)} validation images alone: {names}, the half of the "
             "validation split qat did not choose its epoch on.") in markdown_text
+    assert ("`torch-qat` was fine-tuned for 1 of the 3 epochs asked: --tuning-time 0.001s "
+            "allowed no more.") in markdown_text  # tiny_qat_run's cut
 
 
 @pytest.mark.slow
@@ -246,6 +248,33 @@ def test_freezing_points_scale_with_the_epochs_unless_given():
     assert QatConfig(epochs=4, freeze_bn_after=0).freeze_bn_after == 0  # BN frozen from the start
     with pytest.raises(ValueError, match="--freeze-observers-after"):
         QatConfig(freeze_observers_after=0)  # quantization ranges would never be measured
+
+
+@pytest.mark.slow
+def test_weights_that_diverge_mid_epoch_are_one_clear_error(tmp_path, monkeypatch):
+    """mnasnet0_5 on notMNIST: NaN weights reached a torchao observer, whose assertion (min <=
+    max) came out as a traceback before the epoch's loss check could name the cause."""
+    from stages import train
+    from stages.shared import artifacts
+    from stages.shared.errors import Diverged
+
+    run = artifacts.create_run(tmp_path, "diverges")
+    train.run(TrainConfig(**TINY_TRAIN | {"epochs": 1, "baseline": False}), run)
+    steps = []
+
+    def diverge_at_the_third_step(*args):
+        steps.append(args[-1])
+        if len(steps) == 3:
+            raise AssertionError("min tensor([nan, -1.1417e+07]) should be less than max "
+                                 "tensor([nan, 5.0242e+06])")
+
+    monkeypatch.setattr(qat, "train_step", diverge_at_the_third_step)
+    with pytest.raises(Diverged, match=r"^qat: the fake-quantized model diverged at epoch 1 "
+                       r"step 3: its weights or activations became NaN or infinite "
+                       r"\(torchao's observer found min > max\); lower --lr \(now 0.005\) "
+                       r"or use --precision fp32$"):
+        qat.run(QatConfig(epochs=2, quiet=True), run)
+    assert "torch-qat" not in run.artifacts()
 
 
 def test_tuning_time_cuts_the_epochs_to_what_fits_and_scales_the_freezes_alike():
