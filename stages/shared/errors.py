@@ -15,5 +15,5 @@ class UsageError(PipelineError):
 
 
 class Diverged(PipelineError):
-    """Training or fine-tuning whose loss or weights became NaN or infinite: quantize --auto
-    goes on without the QAT that diverged, since the variants it already made still stand."""
+    """QAT's fine-tuning whose loss or weights became NaN or infinite: quantize --auto goes on
+    without the QAT that diverged, since the variants it already made still stand."""
