@@ -135,17 +135,17 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
                                            quiet=config.quiet, total=len(loader)):
                 train_step(parts, precision, device, _LoopConfig, images, labels, sums, step)
                 step += 1
-        except AssertionError as exc:
+        except AssertionError:
             # torchao's observers assert min <= max, which NaN fails: weights that diverged
             # reach an observer in the next forward, before the epoch's loss check (mnasnet0_5
-            # on notMNIST, 2026-12-02, in its first epoch).
-            if "should be less than max" not in str(exc):
+            # on notMNIST, 2026-12-02, in its first epoch). Told apart from any other assertion
+            # by the model's own state, not by torchao's wording.
+            if not _has_non_finite(prepared):
                 raise
             raise Diverged(
                 f"qat: the fake-quantized model diverged at epoch {epoch} step "
-                f"{step % len(loader) + 1}: its weights or activations became NaN or infinite "
-                f"(torchao's observer found min > max); lower --lr (now {config.lr:g}) or use "
-                "--precision fp32") from None
+                f"{step % len(loader) + 1}: its weights or activations became NaN or infinite; "
+                f"lower --lr (now {config.lr:g}) or use --precision fp32") from None
         seen = sums.read()
         if seen["first_bad"] >= 0:
             raise Diverged(f"qat: the loss became NaN or infinite at epoch {epoch}; lower --lr "
@@ -182,6 +182,15 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
                             "epochs": plan.epochs, "freeze_bn_after": plan.freeze_bn_after,
                             "freeze_observers_after": plan.freeze_observers_after,
                             "epochs_asked": config.epochs}
+
+
+def _has_non_finite(model) -> bool:
+    """Whether a parameter is NaN or infinite, or an observer has recorded a NaN (their ranges
+    start at +-inf, so only NaN in a buffer tells)."""
+    import torch
+
+    return (any(not torch.isfinite(p).all() for p in model.parameters())
+            or any(b.is_floating_point() and torch.isnan(b).any() for b in model.buffers()))
 
 
 class Plan(NamedTuple):
