@@ -233,7 +233,7 @@ def parity(run: Run, logits: dict) -> list[dict]:
     pairs += [("torch-static", "ort-static"), ("torch-qat", "ort-qat")]
     pairs += [(gpu.ROWS[n], n) for n in logits if n in gpu.ROWS]
     found = []
-    for a, b in pairs:
+    for a, b in dict.fromkeys(pairs):  # ort-qat's parent is torch-qat: that pair came twice
         if a in logits and b in logits:
             measured = compare_logits(logits[a], logits[b])
             found.append({"a": a, "b": b, **measured,

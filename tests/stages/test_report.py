@@ -105,6 +105,22 @@ def test_training_images_judge_only_variants_whose_weights_come_from_the_train_s
                       "ort-static": True, "torch-qat": False, "ort-qat": False}
 
 
+
+def test_each_pair_of_variants_is_compared_once():
+    """ort-qat's parent is torch-qat, the pair PyTorch's and ONNX Runtime's int8 also make: it
+    was listed (and warned about) twice."""
+    manifest = _Manifest({
+        "amp": {"parent": None}, "torch-static": {"parent": "amp"},
+        "onnx-fp32": {"parent": "amp"}, "ort-static": {"parent": "onnx-fp32"},
+        "torch-qat": {"parent": "amp"}, "ort-qat": {"parent": "torch-qat"}})
+    logits = {name: torch.eye(4) + 0.01 * i for i, name in enumerate(manifest.entries)}
+    logits["ort-qat"] = torch.eye(4).flip(0)  # disagrees with torch-qat on every image
+    pairs = [(p["a"], p["b"]) for p in report.parity(manifest, logits)]
+    assert pairs == [("amp", "torch-static"), ("amp", "onnx-fp32"), ("onnx-fp32", "ort-static"),
+                     ("amp", "torch-qat"), ("torch-qat", "ort-qat"),
+                     ("torch-static", "ort-static")]
+    assert len(report.parity_warnings(report.parity(manifest, logits))) == 1
+
 def _row(name, p50_rounds, validation_drop, test_drop=0.0, int8=True, size=1.0,
          worst_drop=None):
     """A report row with per-round timings (ms) at batch 32 and accuracy changes in points;
