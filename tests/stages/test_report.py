@@ -105,7 +105,6 @@ def test_training_images_judge_only_variants_whose_weights_come_from_the_train_s
                       "ort-static": True, "torch-qat": False, "ort-qat": False}
 
 
-
 def test_each_pair_of_variants_is_compared_once():
     """ort-qat's parent is torch-qat, the pair PyTorch's and ONNX Runtime's int8 also make: it
     was listed (and warned about) twice."""
@@ -120,6 +119,7 @@ def test_each_pair_of_variants_is_compared_once():
                      ("amp", "torch-qat"), ("torch-qat", "ort-qat"),
                      ("torch-static", "ort-static")]
     assert len(report.parity_warnings(report.parity(manifest, logits))) == 1
+
 
 def _row(name, p50_rounds, validation_drop, test_drop=0.0, int8=True, size=1.0,
          worst_drop=None):
