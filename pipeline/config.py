@@ -257,8 +257,14 @@ class QuantizeConfig:
         _choice("--ort-types", self.ort_types, ORT_TYPES)
         _choice("--ort-format", self.ort_format, ORT_FORMATS)
         _at_least("--max-accuracy-drop", self.max_accuracy_drop, 0.0)
+        if self.equalize and not set(self.methods) & set(EQUALIZED_METHODS):
+            raise ValueError(
+                f"--equalize applies to {' and '.join(EQUALIZED_METHODS)} only, and --methods "
+                f"{','.join(self.methods)} has neither; add one of them or drop --equalize")
 
 
+# What cross-layer equalization is applied before (a transform of the float model they export).
+EQUALIZED_METHODS = ("torch-static", "ort-static")
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
 DURATION_FIELDS = ("tuning_time",)
 

@@ -36,6 +36,9 @@ def invoke(*args):
      "--tuning-time '5minutes' is not a duration; give one such as 90s, 5m or 1h"),
     (["qat", "--tuning-time", "-1m"],
      "--tuning-time '-1m' is not a duration; give one such as 90s, 5m or 1h"),
+    (["quantize", "--methods", "openvino-int8,ort-dynamic", "--equalize"],
+     "--equalize applies to torch-static and ort-static only, and --methods "
+     "ort-dynamic,openvino-int8 has neither; add one of them or drop --equalize"),
     (["predict", "/nonexistent/photo.png"], "/nonexistent/photo.png does not exist"),
     (["export", "--variant", "fp32"], "Missing argument 'OUT_DIR'"),
     (["train", "--init-weights", "/nonexistent.pt"],
