@@ -22,6 +22,8 @@ QUANT_METHODS = tuple(made_by_quantize())
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
 ORT_TYPES = ("u8s8", "s8s8")
 ORT_FORMATS = ("qdq", "qoperator")
+# What cross-layer equalization is applied before (a transform of the float model they export).
+EQUALIZED_METHODS = ("torch-static", "ort-static")
 
 
 TYPE_NAMES = {"bool": "true or false", "int": "a whole number", "float": "a number",
@@ -263,8 +265,6 @@ class QuantizeConfig:
                 f"{','.join(self.methods)} has neither; add one of them or drop --equalize")
 
 
-# What cross-layer equalization is applied before (a transform of the float model they export).
-EQUALIZED_METHODS = ("torch-static", "ort-static")
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
 DURATION_FIELDS = ("tuning_time",)
 
