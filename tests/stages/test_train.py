@@ -111,11 +111,13 @@ def test_same_seed_gives_identical_weights(tmp_path):
 def test_training_memory_is_measured_alike_whichever_model_comes_first():
     """Measured in one process, the order of the models changed the figures 3.5x; each probe
     runs in a fresh process with glibc's mmap threshold fixed, so a probe after another gives
-    the figure it gives first (repeats agreed within 0.1% on the AMD EPYC)."""
+    the figure it gives first. Repeats mostly agreed within 0.1% on the AMD EPYC, but once 14%
+    apart (58.0 against 66.0 MB, a CI run on 2026-12-02): a quarter is allowed, far from the
+    3.5x this guards against."""
     config = TrainConfig(**TINY_TRAIN | {"image_size": 32})
     first, again = (train.peak_memory_in_fresh_process(config, Precision("fp32"))[0]
                     for _ in range(2))
-    assert first > 1e6 and abs(first - again) <= 0.1 * first, (first, again)
+    assert first > 1e6 and abs(first - again) <= 0.25 * max(first, again), (first, again)
 
 
 def test_validation_at_chance_while_training_learns_is_flagged():
