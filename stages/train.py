@@ -520,7 +520,7 @@ def peak_memory_in_fresh_process(config, precision: Precision) -> tuple[int, str
     # activations stay in the heap and count as resident: two probes of one model differed by
     # up to 25%. A fixed threshold returns every large block on free, so RSS follows the live
     # tensors and repeated probes mostly agreed within 0.1% on the AMD EPYC (once 14% apart, in a
-    # CI run on a busy machine).
+    # CI run).
     env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
     proc = subprocess.run([sys.executable, "-m", "stages.train", "--memory-probe", probe],
                           capture_output=True, text=True, timeout=900, env=env)
