@@ -387,7 +387,9 @@ def import_(ctx: click.Context, **flags) -> Processor:
               help="Quantization ranges stop updating after this many epochs.  "
                    "[default: 70% of --epochs]")
 @click.option("--precision", type=click.Choice(cfg.PRECISIONS),
-              help="Autocast type of the fine-tuning; auto: the float model's own.")
+              help="Autocast type of the fine-tuning; auto: fp32, which torchao's fake "
+                   "quantizers need (bf16 or fp16 fail where an activation reaches one in "
+                   "half precision).")
 @click.option("--tuning-time", metavar="DURATION",
               help="Time the fine-tuning may take (90s, 5m, 1h): once an epoch is timed, the "
                    "epochs and the freezes are cut to what fits.  [default: no limit]")

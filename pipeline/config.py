@@ -197,7 +197,7 @@ class QatConfig:
     freeze_bn_after: int | None = None
     # Epochs; then the quantization ranges stay fixed. None: 70% of the epochs (at least 1).
     freeze_observers_after: int | None = None
-    precision: str = "auto"  # autocast of the fine-tuning; auto: as the model was trained
+    precision: str = "auto"  # autocast of the fine-tuning; auto: fp32 (stages/qat.py says why)
     # Seconds the fine-tuning may take: once an epoch is timed, the epochs (and the freezes with
     # them) are cut to what fits. quantize --auto passes its own --tuning-time on.
     tuning_time: float | None = None

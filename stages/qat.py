@@ -67,14 +67,12 @@ def refuse_random_ops(graph, model_name: str) -> None:
                             "or switch it off for fine-tuning")
 
 
-def _precision(config, run: Run, device) -> Precision:
-    """auto: the precision the float model was trained in, where this device has it."""
-    if config.precision != "auto":
-        return Precision(config.precision)
-    trained = run.recorded_config("train").get("resolved_precision", "fp32")
-    if trained == "fp16" and device.type != "cuda":
-        return Precision("bf16")
-    return Precision(trained)
+def _precision(config) -> Precision:
+    """auto: fp32. torchao's fake quantizers (fused_moving_avg_obs_fake_quant) take float32
+    alone, so under autocast an activation that reaches one in half precision stops the
+    fine-tuning: a model trained in bf16 (auto on a CPU with AVX-512 BF16) and fine-tuned under
+    bf16 failed with "expected scalar type Float but found BFloat16" at its first step."""
+    return Precision("fp32" if config.precision == "auto" else config.precision)
 
 
 def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict]:
@@ -115,9 +113,11 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
     plan = Plan(config.epochs, config.freeze_bn_after, config.freeze_observers_after)
     schedule = [lr_schedule(plan.epochs * len(loader), 0)]  # replaced where the epochs are cut
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule[0](step))
-    precision = _precision(config, run, device)
+    precision = _precision(config)
     parts = Parts(prepared, prepared, optimizer, scheduler, grad_scaler(precision, device),
                   torch.nn.CrossEntropyLoss(), sampler, loader, [])
+    advice = f"lower --lr (now {config.lr:g})" + (
+        " or use --precision fp32" if precision.name != "fp32" else "")
     history, best, best_acc, step = [], None, -1.0, 0
     started = time.perf_counter()
     epoch = 0
@@ -145,11 +145,10 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
             raise Diverged(
                 f"qat: the fake-quantized model diverged at epoch {epoch} step "
                 f"{step % len(loader) + 1}: its weights or activations became NaN or infinite; "
-                f"lower --lr (now {config.lr:g}) or use --precision fp32") from None
+                f"{advice}") from None
         seen = sums.read()
         if seen["first_bad"] >= 0:
-            raise Diverged(f"qat: the loss became NaN or infinite at epoch {epoch}; lower --lr "
-                           f"(now {config.lr:g}) or use --precision fp32")
+            raise Diverged(f"qat: the loss became NaN or infinite at epoch {epoch}; {advice}")
         if epoch <= plan.freeze_bn_after:  # the statistics it will be frozen with
             batchnorm.recompute_graph(prepared, splits.calibration, config.batch_size, device)
         move_exported_model_to_eval(prepared)

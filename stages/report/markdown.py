@@ -41,13 +41,14 @@ def _verdict_paragraph(report: dict) -> list[str]:
         f"{v['size_ratio']:.2f}x its size. On the test split, which chose nothing, it scores "
         f"{v['test_accuracy']:.2%}, {v['accuracy_change_points']:+.2f} points against `{ref}` "
         f"(95% interval {low:+.2f} to {high:+.2f}, {noise}).", ""]
-    fine_tuned = [m["name"] for m in report["models"]
-                  if m["validation"]["images"] != SELECTION_WORDS]
-    if fine_tuned:
-        lines += [f"Judged on {models[fine_tuned[0]]['validation']['samples']} validation "
-                  f"images alone: {', '.join(f'`{n}`' for n in fine_tuned)}, the half of the "
-                  "validation split qat did not choose its epoch on. Their weights were "
-                  "fine-tuned after training, so on training images they would differ from "
+    trained_apart = [m["name"] for m in report["models"]
+                     if m["validation"]["images"] != SELECTION_WORDS]
+    if trained_apart:
+        lines += [f"Judged on {models[trained_apart[0]]['validation']['samples']} validation "
+                  f"images alone: {', '.join(f'`{n}`' for n in trained_apart)}, the half of the "
+                  "validation split qat did not choose its epoch on. Their weights come from "
+                  f"another training than `{ref}`'s (the fp32 baseline trained on its own, or "
+                  "fine-tuning after training), so on training images they would differ from "
                   f"`{ref}` in how well they memorised them, not only in what quantization "
                   "changed." + _epochs_cut(models.get("torch-qat")), ""]
     if big["within_noise_of"]:
@@ -82,7 +83,7 @@ def _models_table(report: dict) -> list[str]:
     by_name = {r["name"]: r for r in rows}
     sizes = [str(b) for b in report["config"]["batch_sizes"]]
     big = sizes[-1]
-    head = ["variant", "device", "runs as", "size (MB)", "size vs fp32"]
+    head = ["variant", "device", "runs as", "size (MB)", f"size vs `{ref}`"]
     head += [f"p50 / p90 ms (batch {b})" for b in sizes]
     head += [f"vs `{ref}` on its device (batch {big})",
              f"vs fastest float on its device (batch {big})",

@@ -94,15 +94,41 @@ class _Manifest:
         return self.entries[name]
 
 
-def test_training_images_judge_only_variants_whose_weights_come_from_the_train_stage():
-    manifest = _Manifest({
-        "fp32": {"parent": None}, "amp": {"parent": None}, "torch-static": {"parent": "amp"},
-        "onnx-fp32": {"parent": "amp"}, "ort-static": {"parent": "onnx-fp32"},
-        "torch-qat": {"parent": "amp"}, "ort-qat": {"parent": "torch-qat"}})
-    judged = {name: report.judged_on_training_images(manifest, name)
-              for name in manifest.entries}
+def _entries(fp32_training: dict) -> dict:
+    return {"fp32": {"parent": None, "training": fp32_training}, "amp": {"parent": None},
+            "torch-static": {"parent": "amp"}, "onnx-fp32": {"parent": "amp"},
+            "ort-static": {"parent": "onnx-fp32"}, "torch-qat": {"parent": "amp"},
+            "ort-qat": {"parent": "torch-qat"}}
+
+
+def test_changes_are_measured_against_the_model_the_variants_are_made_from():
+    apart = _Manifest(_entries({"precision": "fp32"}))  # amp trained in bf16, fp32 on its own
+    assert report.reference_of(apart, list(apart.entries)) == "amp"
+    judged = {name: report.judged_on_training_images(apart, name, "amp")
+              for name in apart.entries}
+    # The fp32 baseline is another training: training images would measure its memorisation.
+    assert judged == {"fp32": False, "amp": True, "torch-static": True, "onnx-fp32": True,
+                      "ort-static": True, "torch-qat": False, "ort-qat": False}
+
+    one = _Manifest(_entries({"precision": "fp32", "same_run_as": "amp"}))  # fp32 is amp's copy
+    assert report.reference_of(one, list(one.entries)) == "fp32"
+    judged = {name: report.judged_on_training_images(one, name, "fp32") for name in one.entries}
     assert judged == {"fp32": True, "amp": True, "torch-static": True, "onnx-fp32": True,
                       "ort-static": True, "torch-qat": False, "ort-qat": False}
+    assert report.reference_of(one, ["fp32"]) == "fp32"  # an imported model
+    assert report.reference_of(apart, ["amp", "torch-static"]) == "amp"  # --no-baseline
+
+
+def test_a_baseline_better_than_the_reference_beyond_the_budget_is_a_warning():
+    def baseline(worst: float) -> dict:
+        change = {"difference": worst + 0.01, "low": worst - 0.005, "high": worst + 0.03,
+                  "worst": worst}
+        return {"name": "fp32", "int8": False, "speedup_vs_best_float": {},
+                "validation": {"change_vs_reference": change}}
+
+    warned = report.warnings_for([baseline(0.015)], "amp", 1.0, {})
+    assert len(warned) == 1 and warned[0].startswith("amp scores 2.50 points below the fp32")
+    assert report.warnings_for([baseline(0.005)], "amp", 1.0, {}) == []
 
 
 def test_each_pair_of_variants_is_compared_once():
@@ -216,8 +242,9 @@ def test_report_markdown_says_what_it_chose_on_and_what_it_measured(tiny_run):
     assert markdown_text.startswith("# Report for run `tiny`")
     v = data["verdict"]
     big = v["per_batch_size"]["32"]
+    assert data["reference"] == "amp"  # tiny_run's amp trained in bf16: the variants' source
     assert (f"**Ship `{v['recommended']}`** for batches of 32 on the CPU. Of the variants "
-            "within 1 point(s) of `fp32` on held-out images at 95% confidence (") in markdown_text
+            "within 1 point(s) of `amp` on held-out images at 95% confidence (") in markdown_text
     assert (f"{v['validation_change_points']:+.2f} points, at worst "
             f"{v['validation_worst_change_points']:+.2f})") in markdown_text
     assert ("No GPU: GPU rows not measured (PyTorch finds no CUDA device here)."
@@ -227,7 +254,7 @@ def test_report_markdown_says_what_it_chose_on_and_what_it_measured(tiny_run):
             f"{big['speedup_vs_best_float']['high']:.2f}) faster than the fastest float "
             f"variant, `{big['best_float']}`") in markdown_text
     assert (f"it scores {v['test_accuracy']:.2%}, {v['accuracy_change_points']:+.2f} points "
-            "against `fp32`") in markdown_text
+            "against `amp`") in markdown_text
     assert "At batch " not in markdown_text  # one batch size: no other to speak of
     _every_row_has_its_latencies(data, markdown_text, ("32",))
     assert "master weights are fp32" in markdown_text
