@@ -1,73 +1,124 @@
 """Does the report time each variant as it would run alone?
 
     .venv/bin/python benchmarks/isolation.py [--run NAME] [--artifacts-dir artifacts]
-                                             [--batch-size 32] [--processes 5] [--seconds 3]
+                                             [--batch-size 32] [--processes 3]
 
-Times every variant of a run alone, each in a fresh process of its own: it loads the variant,
-warms it up and times calls for about --seconds, nothing else running in the process. Every
-variant gets --processes such processes, interleaved (one process per variant in turn, then
-again), so that the machine's slow moments fall on all of them alike. Then it prints, for each
-variant, the speed-up against the fastest float variant that the run's report measured (all
-variants in one process, interleaved) beside the same ratio from the isolated processes: taken
-round by round (a variant's process against the fastest float's process of the same round,
-one round apart at most: about 2 minutes with 2-second processes on the default run here, so
-that the machine's slower quarter-hours cancel), its median over the
-rounds, and the range of the rounds, which is how far the isolated reference itself can be
-trusted. The run needs a report (`pipeline report`). Nothing in the run folder is written.
+Times every variant of a run alone, each in a process of its own, and sets the result beside
+the report's (which times all variants in one process). Every variant gets a fresh worker
+process that loads it and nothing else; the workers wait on a pipe, and this script drives them
+through the report's own harness (timing.interleaved, with the report's warm-up, rounds, time
+budget and interval target), one worker active at a time: it asks a worker for one call, timed
+in the worker, and before each variant's round asks the worker that ran last to wait until its
+threads are idle. So the isolated figures differ from the report's in one thing only, whether
+the other variants share the process; the machine's slow moments fall on all variants alike,
+as in the report, rather than on whichever process happened to run then (fresh processes timed
+one after the other for seconds each spread by 1.4x to 1.6x on the 2-core machine here).
+
+That is repeated with --processes fresh sets of workers, for the luck of one process (its
+memory layout, where its threads land). For each variant it prints the report's speed-up
+against the fastest float variant of the report beside the isolated one: the median over the
+sets and the sets' range. The run needs a report (`pipeline report`); nothing in the run folder
+is written.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 
-def worker(artifacts_dir: Path, run_name: str, variant: str, batch_size: int, seconds: float,
-           threads: int) -> None:
-    """One variant alone: load, warm up, time calls for ``seconds``; prints the call times."""
+def serve(artifacts_dir: Path, run_name: str, variant: str, batch_size: int,
+          threads: int) -> None:
+    """One variant alone in this process, answering the driver's commands on stdin: `call`
+    (untimed), `time` (one call, its seconds), `idle` (wait until no thread of this process
+    uses the CPU, the seconds waited), `quit`."""
+    # Replies go to the original stdout; anything a library prints goes to stderr instead.
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
     import torch
 
     from stages import runtimes
+    from stages.shared import timing
     from stages.shared.artifacts import open_run
     from stages.shared.data import splits_of_run
-    from stages.shared.timing import random_batch
 
     torch.set_num_threads(threads)
     run = open_run(artifacts_dir, run_name)
     loaded = runtimes.load(run, variant, threads)
-    call = loaded.call_for(random_batch(splits_of_run(run).input_shape(batch_size)))
-    for _ in range(3):
-        call()
-    times, started = [], time.perf_counter()
-    while time.perf_counter() - started < seconds or len(times) < 10:
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    print(json.dumps(times))
+    call = loaded.call_for(timing.random_batch(splits_of_run(run).input_shape(batch_size)))
+    replies.write("ready\n")
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "call":
+            call()
+            replies.write("0\n")
+        elif command == "time":
+            started = time.perf_counter()
+            call()
+            replies.write(f"{time.perf_counter() - started!r}\n")
+        elif command == "idle":
+            replies.write(f"{timing.wait_until_idle()!r}\n")
+        else:
+            break
 
 
-def isolated_medians(args, variants: list[str], threads: int) -> dict[str, list[float]]:
-    """Median call time (ms) of each process, per variant, processes interleaved."""
-    medians: dict[str, list[float]] = {v: [] for v in variants}
-    for round_ in range(args.processes):
-        order = variants[round_ % len(variants):] + variants[:round_ % len(variants)]
-        for variant in order:
-            proc = subprocess.run(
-                [sys.executable, __file__, "--worker", variant, "--run", args.run_name,
-                 "--artifacts-dir", str(args.artifacts_dir), "--batch-size",
-                 str(args.batch_size), "--seconds", str(args.seconds), "--threads",
-                 str(threads)], capture_output=True, text=True, timeout=1800)
-            if proc.returncode != 0:
-                sys.exit(f"{variant}: the worker failed: {proc.stderr.strip()[-500:]}")
-            times = json.loads(proc.stdout.strip().splitlines()[-1])
-            medians[variant].append(statistics.median(times) * 1000.0)
-            print(f"  {variant}: process {round_ + 1}: {medians[variant][-1]:.2f} ms",
-                  file=sys.stderr, flush=True)
-    return medians
+def start_workers(args, variants: list[str], threads: int, logs: Path) -> dict:
+    """A fresh worker process per variant, each loaded and ready."""
+    workers = {}
+    for variant in variants:
+        workers[variant] = subprocess.Popen(
+            [sys.executable, __file__, "--serve", variant, "--run", args.run_name,
+             "--artifacts-dir", str(args.artifacts_dir), "--batch-size", str(args.batch_size),
+             "--threads", str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=(logs / f"{variant}.log").open("w"), text=True, bufsize=1)
+    for variant, worker in workers.items():
+        if worker.stdout.readline().strip() != "ready":
+            stop_workers(workers)
+            error = (logs / f"{variant}.log").read_text().strip()[-800:]
+            sys.exit(f"{variant}: the worker failed to load it: {error}")
+    return workers
+
+
+def stop_workers(workers: dict) -> None:
+    for worker in workers.values():
+        if worker.poll() is None:
+            worker.stdin.write("quit\n")
+            worker.stdin.close()
+    for worker in workers.values():
+        worker.wait(timeout=60)
+
+
+def time_alone(workers: dict, config: dict, floats: set[str]) -> dict:
+    """The report's harness, run over the workers: each call made and timed in its own
+    process, one process active at a time."""
+    from stages.shared import timing
+
+    active = [None]  # the worker that ran last, whose threads must be idle before the next
+
+    def ask(variant: str, command: str) -> float:
+        active[0] = variant
+        workers[variant].stdin.write(command + "\n")
+        reply = workers[variant].stdout.readline()
+        if not reply:
+            sys.exit(f"{variant}: the worker stopped; see its log")
+        return float(reply)
+
+    def idle() -> float:
+        return 0.0 if active[0] is None else ask(active[0], "idle")
+
+    calls = {v: (lambda v=v: ask(v, "call")) for v in workers}
+    timers = {v: (lambda _call, v=v: ask(v, "time")) for v in workers}
+    return timing.interleaved(
+        calls, config["rounds"], config["repeats"], config["warmup"],
+        max_rounds=config["max_rounds"],
+        done=timing.narrow_enough(floats, config["target_interval"]),
+        budget_seconds=config["timing_budget"], idle=idle, timers=timers)
 
 
 def main() -> None:
@@ -75,54 +126,72 @@ def main() -> None:
     parser.add_argument("--run", dest="run_name", default=None)
     parser.add_argument("--artifacts-dir", type=Path, default=Path("artifacts"))
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--processes", type=int, default=5, help="per variant")
-    parser.add_argument("--seconds", type=float, default=3.0, help="of timed calls per process")
+    parser.add_argument("--processes", type=int, default=3,
+                        help="fresh worker processes per variant, one set after another")
     parser.add_argument("--threads", type=int, default=0, help="0: as the report used")
-    parser.add_argument("--worker", metavar="VARIANT", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", metavar="VARIANT", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        worker(args.artifacts_dir, args.run_name, args.worker, args.batch_size, args.seconds,
-               args.threads)
+    if args.serve:
+        serve(args.artifacts_dir, args.run_name, args.serve, args.batch_size, args.threads)
         return
 
+    from stages.shared import timing
     from stages.shared.artifacts import open_run
 
     run = open_run(args.artifacts_dir, args.run_name)
     args.run_name = run.name
     report = json.loads(run.verified_path("report/report.json").read_text())
     size = str(args.batch_size)
-    rows = {m["name"]: m for m in report["models"] if size in m["latency_ms"]}
+    rows = {m["name"]: m for m in report["models"]
+            if size in m["latency_ms"] and m.get("device", "cpu") == "cpu"}
     if not rows:
         sys.exit(f"the report of run {run.name!r} did not time batch {size}; run "
                  f"'pipeline report --batch-sizes {size}' first")
-    threads = args.threads or report["config"]["threads"]
-    medians = isolated_medians(args, list(rows), threads)
-    alone = {v: statistics.median(ms) for v, ms in medians.items()}
-    floats = [v for v in rows if not rows[v]["int8"]]
+    config, threads = report["config"], args.threads or report["config"]["threads"]
+    floats = {v for v in rows if not rows[v]["int8"]}
     # Ratios against the float variant the report found fastest, so that both columns divide
     # by the same model; the fastest one alone is named too.
     fastest = next(iter(rows.values()))["speedup_vs_best_float"][size]["best_float"]
+    ratios: dict[str, list[float]] = {v: [] for v in rows}
+    p50s: dict[str, list[float]] = {v: [] for v in rows}
+    widest = 1.0
+    with tempfile.TemporaryDirectory() as logs:
+        for set_ in range(args.processes):
+            started = time.perf_counter()
+            workers = start_workers(args, list(rows), threads, Path(logs))
+            try:
+                timings = time_alone(workers, config, floats)
+            finally:
+                stop_workers(workers)
+            for variant, timed in timings.items():
+                interval = timing.speedup(timings[fastest], timed)
+                ratios[variant].append(interval["ratio"])
+                widest = max(widest, interval["high"] / interval["low"])
+                p50s[variant].append(timed.summary()["p50"])
+            alone_fastest = min(floats, key=lambda v: p50s[v][-1])
+            print(f"  set {set_ + 1} of {args.processes}: {time.perf_counter() - started:.0f} s, "
+                  f"{timings[fastest].summary()['rounds']} rounds; fastest float alone: "
+                  f"{alone_fastest}", file=sys.stderr, flush=True)
+
     print(f"run {run.name}, batch {size}, {threads} threads, "
-          f"{report['environment']['cpu']['model']}; isolated: {args.processes} processes of "
-          f"{args.seconds:g} s per variant")
-    print(f"fastest float: {fastest} in the report, {min(floats, key=alone.get)} alone")
-    print("| variant | report p50 ms | alone p50 ms | report vs fastest float | alone vs fastest "
-          "float (rounds' range) | report / alone |")
+          f"{report['environment']['cpu']['model']}; alone: {args.processes} fresh processes "
+          f"per variant, driven through the report's harness")
+    print("| variant | report p50 ms | alone p50 ms (sets) | report vs fastest float | alone vs "
+          "fastest float (sets' range) | report / alone |")
     print("|---|---|---|---|---|---|")
-    worst, spread = 0.0, 0.0
+    worst = 0.0
     for variant, row in rows.items():
         in_report = row["speedup_vs_best_float"][size]
-        rounds = [f / v for f, v in zip(medians[fastest], medians[variant], strict=True)]
-        ratio_alone = statistics.median(rounds)
-        off = in_report["ratio"] / ratio_alone
+        alone = statistics.median(ratios[variant])
+        off = in_report["ratio"] / alone
         worst = max(worst, abs(off - 1.0))
-        spread = max(spread, max(rounds) / min(rounds) - 1.0)
-        print(f"| {variant} | {row['latency_ms'][size]['p50']:.2f} | {alone[variant]:.2f} | "
+        p50 = ", ".join(f"{ms:.2f}" for ms in p50s[variant])
+        print(f"| {variant} | {row['latency_ms'][size]['p50']:.2f} | {p50} | "
               f"{in_report['ratio']:.2f}x ({in_report['low']:.2f}-{in_report['high']:.2f}) | "
-              f"{ratio_alone:.2f}x ({min(rounds):.2f}-{max(rounds):.2f}) | {off:.3f} |")
+              f"{alone:.2f}x ({min(ratios[variant]):.2f}-{max(ratios[variant]):.2f}) | "
+              f"{off:.3f} |")
     print(f"largest difference between the report's ratio and the isolated one: {worst:.1%}")
-    print(f"largest spread of one variant's isolated ratio across rounds (high/low): "
-          f"{spread:.1%}")
+    print(f"widest isolated interval (high/low) of one set: {widest:.2f}x")
 
 
 if __name__ == "__main__":
