@@ -22,6 +22,7 @@ from stages.runtimes import gpu
 from stages.shared import machine, timing
 from stages.shared.artifacts import Run, atomic_write_json, atomic_write_text, open_run
 from stages.shared.data import (
+    BASELINE_WORDS,
     SELECTION_WORDS,
     VALIDATION_WORDS,
     selection_set,
@@ -81,15 +82,20 @@ def reference_of(run: Run, names: list[str]) -> str:
     return "fp32" if "fp32" in names else names[0]
 
 
-def judged_on_training_images(run: Run, name: str, reference: str) -> bool:
-    """Whether ``name`` may be judged against the reference on training images too. Where its
-    weights come from the reference's training (the same images, epochs and precision) those
-    images measure what quantization changed. A model trained separately (the fp32 baseline
-    beside a bf16 `amp`) or fine-tuned further (torch-qat, and ort-qat made from it) fits them
-    differently, so there they measure memorisation: on mnasnet0_5 the float model scored
-    96.2% on 925 selection images (88.2% on its 144 validation ones) and torch-qat 2.3 points
-    less, though level on validation."""
-    return _one_training(run, _fitted_model(run, name), _fitted_model(run, reference))
+def judged_images(run: Run, name: str, reference: str) -> str:
+    """What ``name`` is judged against the reference on, in report.json's words. Where its
+    weights come from the reference's training (the same images, epochs and precision),
+    training images measure what quantization changed, and serve. A model fine-tuned further
+    (torch-qat, and ort-qat made from it) fits them differently, so there they would measure
+    memorisation: on mnasnet0_5 the float model scored 96.2% on 925 selection images (88.2% on
+    its 144 validation ones) and torch-qat 2.3 points less, though level on validation; it is
+    judged on the half of the validation split it did not choose its epoch on. So is a model
+    trained apart (the fp32 baseline beside a bf16 `amp`), on the whole validation split, on
+    which both chose their epoch alike."""
+    fitted, reference_fitted = _fitted_model(run, name), _fitted_model(run, reference)
+    if _one_training(run, fitted, reference_fitted):
+        return SELECTION_WORDS
+    return BASELINE_WORDS if fitted in ("fp32", "amp") else VALIDATION_WORDS
 
 
 def servings(run: Run, config, threads: int, scratch: Path) -> list[tuple[str, str, Callable]]:
@@ -135,11 +141,12 @@ def measure_variants(run: Run, config, threads: int, scratch: Path) -> tuple[lis
                "int8": runtimes.VARIANTS[variant].int8, "size_bytes": run.shipped_bytes(variant),
                "parent": entry.get("parent"), "quantization": entry.get("quantization"),
                "op_counts": made.op_counts, "test": _accuracy(_hits(test_logits, test_labels))}
-        on_training_images = judged_on_training_images(run, variant, reference)
-        row["_judged"] = (list(range(len(selection))) if on_training_images else judging_half)
+        images = judged_images(run, variant, reference)
+        row["_judged"] = {SELECTION_WORDS: list(range(len(selection))),
+                          BASELINE_WORDS: list(range(len(selection.datasets[0]))),
+                          VALIDATION_WORDS: judging_half}[images]
         hits = _hits(val_logits, val_labels)
-        row["validation"] = _accuracy([hits[i] for i in row["_judged"]]) | {
-            "images": SELECTION_WORDS if on_training_images else VALIDATION_WORDS}
+        row["validation"] = _accuracy([hits[i] for i in row["_judged"]]) | {"images": images}
         row["accuracy"], row["accuracy_ci95"] = row["test"]["accuracy"], row["test"]["ci95"]
         row["_hits"] = {"validation": _hits(val_logits, val_labels),
                         "test": _hits(test_logits, test_labels)}

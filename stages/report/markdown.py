@@ -6,7 +6,7 @@ import json
 from stages import runtimes
 from stages.shared import tuning
 from stages.shared.artifacts import Run
-from stages.shared.data import SELECTION_WORDS
+from stages.shared.data import BASELINE_WORDS, SELECTION_WORDS, VALIDATION_WORDS
 from stages.shared.errors import UsageError
 
 
@@ -26,8 +26,9 @@ def _verdict_paragraph(report: dict) -> list[str]:
     noise = ("within the noise of the test split" if low <= 0 <= high
              else "a real difference on the test split")
     judged = models[v["recommended"]]["validation"]
-    where = ("the validation split and training images calibration did not use"
-             if judged["images"] == SELECTION_WORDS else "the validation split")
+    where = {SELECTION_WORDS: "the validation split and training images calibration did not use",
+             BASELINE_WORDS: "the validation split"}.get(judged["images"],
+                                                         "half the validation split")
     lines = [
         f"**Ship `{v['recommended']}`** for batches of {v['batch_size']} on the CPU. Of the "
         "variants "
@@ -41,16 +42,21 @@ def _verdict_paragraph(report: dict) -> list[str]:
         f"{v['size_ratio']:.2f}x its size. On the test split, which chose nothing, it scores "
         f"{v['test_accuracy']:.2%}, {v['accuracy_change_points']:+.2f} points against `{ref}` "
         f"(95% interval {low:+.2f} to {high:+.2f}, {noise}).", ""]
-    trained_apart = [m["name"] for m in report["models"]
-                     if m["validation"]["images"] != SELECTION_WORDS]
-    if trained_apart:
-        lines += [f"Judged on {models[trained_apart[0]]['validation']['samples']} validation "
-                  f"images alone: {', '.join(f'`{n}`' for n in trained_apart)}, the half of the "
-                  "validation split qat did not choose its epoch on. Their weights come from "
-                  f"another training than `{ref}`'s (the fp32 baseline trained on its own, or "
-                  "fine-tuning after training), so on training images they would differ from "
+    fine_tuned = [m["name"] for m in report["models"]
+                  if m["validation"]["images"] == VALIDATION_WORDS]
+    if fine_tuned:
+        lines += [f"Judged on {models[fine_tuned[0]]['validation']['samples']} validation "
+                  f"images alone: {', '.join(f'`{n}`' for n in fine_tuned)}, the half of the "
+                  "validation split qat did not choose its epoch on. Their weights were "
+                  "fine-tuned after training, so on training images they would differ from "
                   f"`{ref}` in how well they memorised them, not only in what quantization "
                   "changed." + _epochs_cut(models.get("torch-qat")), ""]
+    for m in report["models"]:
+        if m["validation"]["images"] == BASELINE_WORDS:
+            lines += [f"`{m['name']}` was trained apart from `{ref}`, which every other variant "
+                      f"is made from: it is judged on the {m['validation']['samples']} images of "
+                      "the validation split alone, since on training images it would differ "
+                      "in how well it memorised them.", ""]
     if big["within_noise_of"]:
         lines += [f"Within noise of it at this batch size: "
                   f"{', '.join(f'`{n}`' for n in big['within_noise_of'])} (their speed-up "

@@ -22,8 +22,8 @@ class Variant:
     make: Callable | None  # (QuantContext) -> info; None where another stage makes it
     description: str
     # Its weights were fitted to the training images (train, import, qat). The report judges a
-    # variant on training images only where its weights come from the train stage
-    # (report.judged_on_training_images); a fine-tuned model fits them differently.
+    # variant on training images only where its weights come from the reference's training
+    # (report.judged_images); a model fine-tuned or trained apart fits them differently.
     trained: bool = False
 
 

@@ -478,6 +478,7 @@ SELECTION_IMAGES = 4096
 # What a variant's held-out accuracy was measured on, in report.json's words.
 SELECTION_WORDS = "validation split and held-out training images"
 VALIDATION_WORDS = "the half of the validation split qat did not choose its epoch on"
+BASELINE_WORDS = "validation split"  # a model trained apart from the reference, as it was
 
 
 def validation_halves(size: int) -> tuple[list[int], list[int]]:

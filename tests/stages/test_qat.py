@@ -85,36 +85,41 @@ def test_a_fine_tuned_model_is_judged_on_the_validation_split_alone(tiny_qat_run
     models = {m["name"]: m for m in data["models"]}
     fine_tuned = {"torch-qat", "ort-qat"} & set(models)
     assert "torch-qat" in fine_tuned
-    # tiny_run trains amp in bf16, so the fp32 baseline is another training, judged like them.
+    # tiny_run trains amp in bf16: the fp32 baseline is another training, judged on the
+    # validation split alone, on which both chose their epoch.
     reference = data["reference"]
     assert reference == "amp"
-    apart = fine_tuned | {"fp32"}
     for name, model in models.items():
         judged = model["validation"]
-        if name in apart:
+        if name in fine_tuned:
             assert (judged["samples"], judged["images"]) == (len(judging), (
                 "the half of the validation split qat did not choose its epoch on"))
+        elif name == "fp32":
+            assert (judged["samples"], judged["images"]) == (len(splits.val), "validation split")
         else:  # training images too
             assert judged["samples"] > len(splits.val), name
             assert judged["images"] == "validation split and held-out training images", name
             assert judged["change_vs_reference"]["difference"] == pytest.approx(
                 judged["accuracy"] - models[reference]["validation"]["accuracy"])
-    # Paired with the reference on the same images: its accuracy on the judging half alone.
+    # Paired with the reference on the same images: its accuracy on those images alone.
     logits, labels = predict_dataset(runtimes.load(run, reference, 1).predict, splits.val)
-    hits = (logits.argmax(1) == labels)[judging]
-    reference_on_validation = hits.sum().item() / len(judging)
-    for name in apart:
+    hits = (logits.argmax(1) == labels)
+    for name, images in [(n, judging) for n in fine_tuned] + [("fp32", range(len(splits.val)))]:
         judged = models[name]["validation"]
+        reference_there = hits[list(images)].sum().item() / len(images)
         assert judged["change_vs_reference"]["difference"] == pytest.approx(
-            judged["accuracy"] - reference_on_validation)
+            judged["accuracy"] - reference_there)
     verdict = data["verdict"]
     assert verdict["chosen_on"] == models[verdict["recommended"]]["validation"]["images"]
     markdown_text = (run.root / "report" / "report.md").read_text()
-    names = ", ".join(f"`{n}`" for n in ("fp32", "torch-qat", "ort-qat") if n in apart)
+    names = ", ".join(f"`{n}`" for n in ("torch-qat", "ort-qat") if n in fine_tuned)
     assert (f"Judged on {len(judging)} validation images alone: {names}, the half of the "
             "validation split qat did not choose its epoch on.") in markdown_text
     assert ("`torch-qat` was fine-tuned for 1 of the 3 epochs asked: --tuning-time 0.001s "
             "allowed no more.") in markdown_text  # tiny_qat_run's cut
+    assert (f"`fp32` was trained apart from `amp`, which every other variant is made from: it "
+            f"is judged on the {len(splits.val)} images of the validation split alone") in (
+                markdown_text)
 
 
 @pytest.mark.slow
