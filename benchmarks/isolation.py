@@ -87,14 +87,16 @@ def start_workers(args, variants: list[str], threads: int, logs: Path) -> dict:
 
 def stop_workers(workers: dict) -> None:
     for worker in workers.values():
-        if worker.poll() is None:
+        try:
             worker.stdin.write("quit\n")
             worker.stdin.close()
+        except OSError:  # it has stopped already; its log says why
+            pass
     for worker in workers.values():
         worker.wait(timeout=60)
 
 
-def time_alone(workers: dict, config: dict, floats: set[str]) -> dict:
+def time_alone(workers: dict, config: dict, floats: set[str], logs: Path) -> dict:
     """The report's harness, run over the workers: each call made and timed in its own
     process, one process active at a time."""
     from stages.shared import timing
@@ -106,7 +108,8 @@ def time_alone(workers: dict, config: dict, floats: set[str]) -> dict:
         workers[variant].stdin.write(command + "\n")
         reply = workers[variant].stdout.readline()
         if not reply:
-            sys.exit(f"{variant}: the worker stopped; see its log")
+            error = (logs / f"{variant}.log").read_text().strip()[-800:]
+            sys.exit(f"{variant}: the worker stopped: {error}")
         return float(reply)
 
     def idle() -> float:
@@ -160,7 +163,7 @@ def main() -> None:
             started = time.perf_counter()
             workers = start_workers(args, list(rows), threads, Path(logs))
             try:
-                timings = time_alone(workers, config, floats)
+                timings = time_alone(workers, config, floats, Path(logs))
             finally:
                 stop_workers(workers)
             for variant, timed in timings.items():
