@@ -11,18 +11,15 @@ variant.
 from __future__ import annotations
 
 import copy
-import tempfile
 import time
-from pathlib import Path
 from typing import NamedTuple
 
-from stages.runtimes import onnx_export
+from stages.runtimes import onnx_export, qdq_onnx
 from stages.runtimes import pytorch as torch_runtime
 from stages.runtimes.context import QuantContext, context
-from stages.runtimes.onnx_export import INPUT_NAME
 from stages.runtimes.onnxruntime import onnx_op_counts, ort_predict, ort_session
 from stages.shared import batchnorm
-from stages.shared.artifacts import Run, atomic_path
+from stages.shared.artifacts import Run
 from stages.shared.data import (
     EpochSampler,
     calibration_batches,
@@ -226,95 +223,6 @@ class _LoopConfig:
     grad_clip = 0.0
 
 
-def bias_rounding_cause(path: Path, reference, images) -> str:
-    """Why the fused model disagrees, where the cause is ONNX Runtime's int32 bias: fusing a
-    Conv into QLinearConv, its WeightBiasQuantization step rounds the float bias to a step of
-    input scale x weight scale. A channel whose weight scale is huge (BatchNorm folded over a
-    variance near 0, its input always 0) loses its bias, which is all its output: on
-    mnasnet0_5 five depthwise convs had such channels (weight scales 42-190, one output 13
-    steps off). Without that step ONNX Runtime fuses no conv, so it is a diagnosis, not a fix.
-    '' where turning the step off does not restore agreement."""
-    unfused = ort_session(path, threads=1, disabled_optimizers=("WeightBiasQuantization",))
-    measured = compare_logits(reference, ort_predict(unfused, images))
-    if measured["top1_agreement"] < PARITY_MIN_AGREEMENT:
-        return ""
-    return (f" (with its WeightBiasQuantization step off they agree on "
-            f"{measured['top1_agreement']:.1%}: it rounds each conv bias to a step of input "
-            "scale x weight scale, and a channel with a huge weight scale, BatchNorm folded over "
-            "a variance near 0, loses its bias; with the step off no conv runs in int8)")
-
-
-# Training images that observe the range of each conv output given a QDQ pair of its own.
-RESIDUAL_CALIBRATION_IMAGES = 256
-
-
-def conv_outputs_into_adds(model) -> list[str]:
-    """Outputs of the Conv nodes whose every consumer is an Add: no QuantizeLinear between."""
-    consumers: dict[str, set] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            consumers.setdefault(name, set()).add(node.op_type)
-    return [node.output[0] for node in model.graph.node
-            if node.op_type == "Conv" and consumers.get(node.output[0]) == {"Add"}]
-
-
-def quantize_conv_outputs_into_adds(path: Path, batches) -> int:
-    """Give each conv output that meets a residual Add unquantized a uint8 QDQ pair of its own,
-    its range observed on ``batches`` (training images); returns how many. torchao's
-    X86InductorQuantizer annotates conv + add (+ relu) as one pattern, as Inductor fuses it, so
-    the exported QAT graph has no QuantizeLinear between such a Conv and its Add; ONNX Runtime
-    fuses a Conv into QLinearConv only between a DequantizeLinear and a QuantizeLinear, and left
-    those convs in float (resnet18: 8 of 20, `ort-qat` 20 ms at batch 32; with the pairs 20 of
-    20 and 8 QLinearAdd, 3.7 ms, the same predictions on all 360 test images)."""
-    import numpy as np
-    import onnx
-    from onnx import helper, numpy_helper
-
-    model = onnx.load(str(path))
-    outputs = conv_outputs_into_adds(model)
-    if not outputs:
-        return 0
-    observing = onnx.load(str(path))
-    for name in outputs:
-        observing.graph.output.append(
-            helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
-    low, high = dict.fromkeys(outputs, 0.0), dict.fromkeys(outputs, 0.0)  # the range holds 0
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".observe-") as scratch:
-        observing_path = Path(scratch) / "observing.onnx"
-        onnx.save_model(observing, str(observing_path))
-        session = ort_session(observing_path, threads=1)
-        for batch in batches:
-            values = session.run(outputs, {INPUT_NAME: batch.numpy().astype(np.float32)})
-            for name, value in zip(outputs, values, strict=True):
-                low[name] = min(low[name], float(value.min()))
-                high[name] = max(high[name], float(value.max()))
-    pairs = {}
-    for name in outputs:
-        scale = max(high[name] - low[name], 1e-8) / 255.0
-        zero_point = int(np.clip(round(-low[name] / scale), 0, 255))
-        model.graph.initializer.extend([
-            numpy_helper.from_array(np.array(scale, dtype=np.float32), f"{name}_scale"),
-            numpy_helper.from_array(np.array(zero_point, dtype=np.uint8), f"{name}_zero_point")])
-        pairs[name] = [
-            helper.make_node("QuantizeLinear", [name, f"{name}_scale", f"{name}_zero_point"],
-                             [f"{name}_quantized"], name=f"{name}_quantize"),
-            helper.make_node("DequantizeLinear", [f"{name}_quantized", f"{name}_scale",
-                             f"{name}_zero_point"], [f"{name}_dequantized"],
-                             name=f"{name}_dequantize")]
-    nodes = []
-    for node in model.graph.node:
-        for i, name in enumerate(node.input):
-            if name in pairs:
-                node.input[i] = f"{name}_dequantized"
-        nodes += [node] + pairs.get(node.output[0] if node.output else "", [])
-    model.graph.ClearField("node")
-    model.graph.node.extend(nodes)
-    with atomic_path(path) as tmp:
-        onnx.save_model(model, str(tmp))
-    onnx_export.check_onnx(path)
-    return len(outputs)
-
-
 def export_qdq(ctx: QuantContext, graph) -> dict | None:
     """`ort-qat`: the converted QAT graph exported to ONNX, where the exporter manages it; its
     quantize/dequantize pairs become QuantizeLinear/DequantizeLinear (a QDQ model)."""
@@ -325,20 +233,20 @@ def export_qdq(ctx: QuantContext, graph) -> dict | None:
     except PipelineError as exc:
         say(f"qat: ort-qat not made: {exc}", quiet=ctx.config.quiet)
         return None
-    requantized = quantize_conv_outputs_into_adds(path, calibration_batches(
-        ctx.splits, RESIDUAL_CALIBRATION_IMAGES, 64, ctx.config.seed))
+    completed = qdq_onnx.complete_for_onnx_runtime(path, calibration_batches(
+        ctx.splits, qdq_onnx.RESIDUAL_CALIBRATION_IMAGES, 64, ctx.config.seed))
     reference = ctx.logits_of("torch-qat", images)
     parity = compare_logits(reference, ort_predict(ort_session(path, threads=1), images))
     if parity["top1_agreement"] < PARITY_MIN_AGREEMENT:
-        cause = bias_rounding_cause(path, reference, images)
+        cause = qdq_onnx.bias_rounding_cause(path, reference, images)
         path.unlink()
         say(f"qat: ort-qat not kept: ONNX Runtime agrees with torch-qat on only "
             f"{parity['top1_agreement']:.1%} of training images (max logit difference "
             f"{parity['max_abs_diff']:.3g}) once it fuses the QDQ pairs into its int8 kernels"
             + cause, quiet=ctx.config.quiet)
         return None
-    info = {"exporter": "torch.onnx.export(dynamo=True) of torch-qat",
-            "conv_outputs_quantized_before_adds": requantized, "parity_vs_torch_qat": parity}
+    info = {"exporter": "torch.onnx.export(dynamo=True) of torch-qat", **completed,
+            "parity_vs_torch_qat": parity}
     ctx.register("ort-qat", path, info, fmt="onnx", op_counts=onnx_op_counts(path))
     return info
 

@@ -9,6 +9,7 @@ import torch
 from pipeline.config import QatConfig, TrainConfig
 from stages import qat
 from stages.runtimes import pytorch as torch_runtime
+from stages.runtimes import qdq_onnx
 from stages.shared import batchnorm
 from stages.shared.data import load_splits
 from stages.shared.errors import PipelineError
@@ -313,53 +314,6 @@ def test_tuning_time_cuts_the_epochs_to_what_fits_and_scales_the_freezes_alike()
         2, 0, 1)  # BN frozen from the start stays so
 
 
-def _depthwise_qdq_model(path, weight_scales: list[float], biases: list[float]) -> None:
-    """A QDQ model of one 1x1 depthwise conv over two channels, as the ONNX export of a PT2E
-    graph writes it: u8 activations, per-channel int8 weights of 63, a float bias."""
-    import numpy as np
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    def const(name, value):
-        return numpy_helper.from_array(np.asarray(value), name)
-
-    inits = [const("xs", np.float32(0.1)), const("xz", np.uint8(0)),
-             const("w", np.full((2, 1, 1, 1), 63, np.int8)),
-             const("ws", np.asarray(weight_scales, np.float32)), const("wz", np.zeros(2, np.int8)),
-             const("b", np.asarray(biases, np.float32)),
-             const("ys", np.float32(0.15)), const("yz", np.uint8(0))]
-    nodes = [helper.make_node("QuantizeLinear", ["input", "xs", "xz"], ["xq"]),
-             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
-             helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"], axis=0),
-             helper.make_node("Conv", ["xd", "wd", "b"], ["y"], group=2),
-             helper.make_node("QuantizeLinear", ["y", "ys", "yz"], ["yq"]),
-             helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["yd"]),
-             helper.make_node("Flatten", ["yd"], ["logits"])]
-    graph = helper.make_graph(
-        nodes, "depthwise",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [None, 2, 1, 1])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [None, 2])], inits)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
-
-
-def test_ort_qat_refusal_names_onnx_runtimes_bias_rounding_where_it_is_the_cause(tmp_path):
-    """mnasnet0_5's case in miniature: channel 0's input is 0 and its weight scale 40, so its
-    output is its bias (1.9, 13 output steps), which ONNX Runtime's fused kernel rounds to a
-    step of 0.1 x 40 = 4, that is to 0; channel 1 (bias 1.0, scale 0.01) keeps its bias."""
-    from stages.runtimes.onnxruntime import ort_predict, ort_session
-
-    path = tmp_path / "qdq.onnx"
-    _depthwise_qdq_model(path, weight_scales=[40.0, 0.01], biases=[1.9, 1.0])
-    images = torch.zeros(4, 2, 1, 1)
-    unfused = torch.tensor([[1.95, 1.05]]).repeat(4, 1)  # the biases, quantized to 0.15 steps
-    fused = ort_predict(ort_session(path, threads=1), images)
-    assert fused[:, 0].abs().max() == 0 and (fused.argmax(1) == 1).all()
-    cause = qat.bias_rounding_cause(path, unfused, images)
-    assert "WeightBiasQuantization step off they agree on 100.0%" in cause
-    # Where turning that step off does not restore agreement, it names no cause.
-    assert qat.bias_rounding_cause(path, unfused.flip(1), images) == ""
-
-
 RANDOM_NETS = """
 import torch
 import torch.nn as nn
@@ -452,7 +406,8 @@ def test_a_model_that_stays_random_in_eval_mode_is_refused_before_fine_tuning(
 
 
 @pytest.mark.slow
-def test_ort_qat_runs_every_conv_in_int8_where_a_conv_meets_a_residual_add(tmp_path, monkeypatch):
+def test_ort_qat_runs_every_conv_and_linear_in_int8_where_a_conv_meets_a_residual_add(
+        tmp_path, monkeypatch):
     """torchao leaves no QuantizeLinear between a conv and the Add it meets (Inductor fuses
     them), and ONNX Runtime then ran such a conv in float: resnet18's ort-qat had 8 of its 20
     convs in float and ran at 0.40x the fastest float. Each gets a QDQ pair observed on
@@ -462,12 +417,15 @@ def test_ort_qat_runs_every_conv_in_int8_where_a_conv_meets_a_residual_add(tmp_p
     info = run.entry("ort-qat")["quantization"]
     assert info["conv_outputs_quantized_before_adds"] == 2
     assert info["op_counts"]["Conv"] == {**info["op_counts"]["Conv"], "int8": 3, "float": 0}
+    # The classifier's float bias is now int32 too, so its Gemm runs in int8 as well.
+    assert info["linear_biases_quantized"] == 1
+    assert info["op_counts"]["Linear"] == {"int8": 1, "float": 0, "ops": {"QGemm": 1}}
     assert info["parity_vs_torch_qat"]["top1_agreement"] >= 0.98
     model = onnx.load(str(run.verified_path("ort-qat")))
-    assert qat.conv_outputs_into_adds(model) == []
+    assert qdq_onnx.conv_outputs_into_adds(model) == []
     # The export alone has both: the two block-end convs feed their Adds unquantized.
     torch_qat = torch_runtime.load_pt2e(run, "torch-qat")
     exported = tmp_path / "exported.onnx"
     images = load_splits(TrainConfig(**TINY_TRAIN)).val.tensors[0][:2]
     qat.onnx_export.export_onnx(torch_qat, images, exported)
-    assert len(qat.conv_outputs_into_adds(onnx.load(str(exported)))) == 2
+    assert len(qdq_onnx.conv_outputs_into_adds(onnx.load(str(exported)))) == 2

@@ -1,0 +1,175 @@
+"""A QDQ graph exported from torchao (`ort-qat`) as ONNX Runtime runs it: the pieces it needs
+added before it fuses every Conv and Gemm into its int8 kernels, and why a fused model may
+disagree with torch-qat.
+
+ONNX Runtime fuses a node into its int8 kernel only where every input arrives through a
+DequantizeLinear (the bias as int32) and, for Conv, the output leaves through a QuantizeLinear.
+torchao's export does not always give it that; ort-static, written by ONNX Runtime's own
+quantizer, always does.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from stages.runtimes import onnx_export
+from stages.runtimes.onnx_export import INPUT_NAME
+from stages.runtimes.onnxruntime import ort_predict, ort_session
+from stages.shared.artifacts import atomic_path
+from stages.shared.evaluate import PARITY_MIN_AGREEMENT, compare_logits
+
+# Training images that observe the range of each conv output given a QDQ pair of its own.
+RESIDUAL_CALIBRATION_IMAGES = 256
+INT32_MAX = 2**31 - 1
+
+
+def complete_for_onnx_runtime(path: Path, batches) -> dict:
+    """Rewrite the QDQ model at ``path`` in place so that ONNX Runtime fuses all its convs and
+    linears; ``batches`` (training images) observe the ranges it adds. Returns what it did."""
+    import onnx
+
+    model = onnx.load(str(path))
+    done = {"conv_outputs_quantized_before_adds":
+            quantize_conv_outputs_into_adds(model, path.parent, batches),
+            "linear_biases_quantized": quantize_linear_biases(model)}
+    if any(done.values()):
+        with atomic_path(path) as tmp:
+            onnx.save_model(model, str(tmp))
+        onnx_export.check_onnx(path)
+    return done
+
+
+def conv_outputs_into_adds(model) -> list[str]:
+    """Outputs of the Conv nodes whose every consumer is an Add: no QuantizeLinear between."""
+    consumers: dict[str, set] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, set()).add(node.op_type)
+    return [node.output[0] for node in model.graph.node
+            if node.op_type == "Conv" and consumers.get(node.output[0]) == {"Add"}]
+
+
+def quantize_conv_outputs_into_adds(model, scratch_dir: Path, batches) -> int:
+    """Give each conv output that meets a residual Add unquantized a uint8 QDQ pair of its own,
+    its range observed on ``batches`` (training images); returns how many. torchao's
+    X86InductorQuantizer annotates conv + add (+ relu) as one pattern, as Inductor fuses it, so
+    the exported QAT graph has no QuantizeLinear between such a Conv and its Add, and ONNX
+    Runtime left those convs in float (resnet18: 8 of 20, `ort-qat` 20 ms at batch 32; with the
+    pairs 20 of 20 and 8 QLinearAdd, 3.7 ms, the same predictions on all 360 test images)."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    outputs = conv_outputs_into_adds(model)
+    if not outputs:
+        return 0
+    observing = onnx.ModelProto()
+    observing.CopyFrom(model)
+    for name in outputs:
+        observing.graph.output.append(
+            helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+    low, high = dict.fromkeys(outputs, 0.0), dict.fromkeys(outputs, 0.0)  # the range holds 0
+    with tempfile.TemporaryDirectory(dir=scratch_dir, prefix=".observe-") as scratch:
+        observing_path = Path(scratch) / "observing.onnx"
+        onnx.save_model(observing, str(observing_path))
+        session = ort_session(observing_path, threads=1)
+        for batch in batches:
+            values = session.run(outputs, {INPUT_NAME: batch.numpy().astype(np.float32)})
+            for name, value in zip(outputs, values, strict=True):
+                low[name] = min(low[name], float(value.min()))
+                high[name] = max(high[name], float(value.max()))
+    pairs = {}
+    for name in outputs:
+        scale = max(high[name] - low[name], 1e-8) / 255.0
+        zero_point = int(np.clip(round(-low[name] / scale), 0, 255))
+        model.graph.initializer.extend([
+            numpy_helper.from_array(np.array(scale, dtype=np.float32), f"{name}_scale"),
+            numpy_helper.from_array(np.array(zero_point, dtype=np.uint8), f"{name}_zero_point")])
+        pairs[name] = [
+            helper.make_node("QuantizeLinear", [name, f"{name}_scale", f"{name}_zero_point"],
+                             [f"{name}_quantized"], name=f"{name}_quantize"),
+            helper.make_node("DequantizeLinear", [f"{name}_quantized", f"{name}_scale",
+                             f"{name}_zero_point"], [f"{name}_dequantized"],
+                             name=f"{name}_dequantize")]
+    nodes = []
+    for node in model.graph.node:  # each pair right after its conv: the order holds
+        for i, name in enumerate(node.input):
+            if name in pairs:
+                node.input[i] = f"{name}_dequantized"
+        nodes += [node] + pairs.get(node.output[0] if node.output else "", [])
+    model.graph.ClearField("node")
+    model.graph.node.extend(nodes)
+    return len(outputs)
+
+
+def quantize_linear_biases(model) -> int:
+    """Give each Gemm whose input and weight arrive through DequantizeLinear but whose bias is
+    float an int32 bias and its DequantizeLinear (scale = input scale x weight scale, zero point
+    0, as ONNX Runtime's own quantizer writes it); returns how many. torchao's export keeps a
+    Linear's bias float, and ONNX Runtime then ran the Gemm in float: every ort-qat's classifier,
+    and any Linear inside a model. A Gemm whose scales are not constants, whose alpha or beta
+    is not 1, or whose bias would overflow int32 is left as it is."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    constants = {init.name: init for init in model.graph.initializer}
+    producers = {out: node for node in model.graph.node for out in node.output}
+    additions = []
+    for index, node in enumerate(model.graph.node):
+        if node.op_type != "Gemm" or len(node.input) < 3 or node.input[2] not in constants:
+            continue
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if attributes.get("alpha", 1.0) != 1.0 or attributes.get("beta", 1.0) != 1.0:
+            continue
+        dequantized = [producers.get(name) for name in node.input[:2]]
+        if any(dq is None or dq.op_type != "DequantizeLinear" or dq.input[1] not in constants
+               for dq in dequantized):
+            continue
+        input_scale = numpy_helper.to_array(constants[dequantized[0].input[1]])
+        weight_scale = numpy_helper.to_array(constants[dequantized[1].input[1]])
+        bias = numpy_helper.to_array(constants[node.input[2]]).astype(np.float64)
+        # Per channel, the weight's scales must run along the Gemm's outputs, as the bias does.
+        output_axis = 0 if attributes.get("transB", 0) else 1
+        weight_axis = {a.name: a.i for a in dequantized[1].attribute}.get("axis", 1)
+        if input_scale.size != 1 or bias.ndim != 1 or weight_scale.size not in (1, bias.size) \
+                or (weight_scale.size > 1 and weight_axis != output_axis):
+            continue
+        scale = (float(input_scale.reshape(())) * weight_scale.astype(np.float64)
+                 * np.ones_like(bias)).astype(np.float32)
+        if not (scale > 0).all():
+            continue
+        steps = np.round(bias / scale.astype(np.float64))
+        if np.abs(steps).max(initial=0) > INT32_MAX:
+            continue
+        name = f"{node.input[2]}_int32_{index}"
+        model.graph.initializer.extend([
+            numpy_helper.from_array(steps.astype(np.int32), name),
+            numpy_helper.from_array(scale, f"{name}_scale"),
+            numpy_helper.from_array(np.zeros(bias.size, np.int32), f"{name}_zero_point")])
+        additions.append(helper.make_node(
+            "DequantizeLinear", [name, f"{name}_scale", f"{name}_zero_point"],
+            [f"{name}_dequantized"], name=f"{name}_dequantize", axis=0))
+        node.input[2] = f"{name}_dequantized"
+    if additions:  # they read only initializers, so they go first and the order holds
+        nodes = additions + list(model.graph.node)
+        model.graph.ClearField("node")
+        model.graph.node.extend(nodes)
+    return len(additions)
+
+
+def bias_rounding_cause(path: Path, reference, images) -> str:
+    """Why the fused model disagrees, where the cause is ONNX Runtime's int32 bias: fusing a
+    Conv into QLinearConv, its WeightBiasQuantization step rounds the float bias to a step of
+    input scale x weight scale. A channel whose weight scale is huge (BatchNorm folded over a
+    variance near 0, its input always 0) loses its bias, which is all its output: on
+    mnasnet0_5 five depthwise convs had such channels (weight scales 42-190, one output 13
+    steps off). Without that step ONNX Runtime fuses no conv, so it is a diagnosis, not a fix.
+    '' where turning the step off does not restore agreement."""
+    unfused = ort_session(path, threads=1, disabled_optimizers=("WeightBiasQuantization",))
+    measured = compare_logits(reference, ort_predict(unfused, images))
+    if measured["top1_agreement"] < PARITY_MIN_AGREEMENT:
+        return ""
+    return (f" (with its WeightBiasQuantization step off they agree on "
+            f"{measured['top1_agreement']:.1%}: it rounds each conv bias to a step of input "
+            "scale x weight scale, and a channel with a huge weight scale, BatchNorm folded over "
+            "a variance near 0, loses its bias; with the step off no conv runs in int8)")

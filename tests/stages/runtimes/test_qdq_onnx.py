@@ -1,0 +1,122 @@
+"""What ort-qat's QDQ graph needs before ONNX Runtime fuses it into int8 kernels, and why a
+fused model may disagree with torch-qat."""
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from stages.runtimes import qdq_onnx
+from stages.runtimes.onnxruntime import onnx_op_counts, ort_predict, ort_session
+
+
+def _depthwise_qdq_model(path, weight_scales: list[float], biases: list[float]) -> None:
+    """A QDQ model of one 1x1 depthwise conv over two channels, as the ONNX export of a PT2E
+    graph writes it: u8 activations, per-channel int8 weights of 63, a float bias."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    def const(name, value):
+        return numpy_helper.from_array(np.asarray(value), name)
+
+    inits = [const("xs", np.float32(0.1)), const("xz", np.uint8(0)),
+             const("w", np.full((2, 1, 1, 1), 63, np.int8)),
+             const("ws", np.asarray(weight_scales, np.float32)), const("wz", np.zeros(2, np.int8)),
+             const("b", np.asarray(biases, np.float32)),
+             const("ys", np.float32(0.15)), const("yz", np.uint8(0))]
+    nodes = [helper.make_node("QuantizeLinear", ["input", "xs", "xz"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"], axis=0),
+             helper.make_node("Conv", ["xd", "wd", "b"], ["y"], group=2),
+             helper.make_node("QuantizeLinear", ["y", "ys", "yz"], ["yq"]),
+             helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["yd"]),
+             helper.make_node("Flatten", ["yd"], ["logits"])]
+    graph = helper.make_graph(
+        nodes, "depthwise",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [None, 2, 1, 1])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [None, 2])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+def test_ort_qat_refusal_names_onnx_runtimes_bias_rounding_where_it_is_the_cause(tmp_path):
+    """mnasnet0_5's case in miniature: channel 0's input is 0 and its weight scale 40, so its
+    output is its bias (1.9, 13 output steps), which ONNX Runtime's fused kernel rounds to a
+    step of 0.1 x 40 = 4, that is to 0; channel 1 (bias 1.0, scale 0.01) keeps its bias."""
+    from stages.runtimes.onnxruntime import ort_predict, ort_session
+
+    path = tmp_path / "qdq.onnx"
+    _depthwise_qdq_model(path, weight_scales=[40.0, 0.01], biases=[1.9, 1.0])
+    images = torch.zeros(4, 2, 1, 1)
+    unfused = torch.tensor([[1.95, 1.05]]).repeat(4, 1)  # the biases, quantized to 0.15 steps
+    fused = ort_predict(ort_session(path, threads=1), images)
+    assert fused[:, 0].abs().max() == 0 and (fused.argmax(1) == 1).all()
+    cause = qdq_onnx.bias_rounding_cause(path, unfused, images)
+    assert "WeightBiasQuantization step off they agree on 100.0%" in cause
+    # Where turning that step off does not restore agreement, it names no cause.
+    assert qdq_onnx.bias_rounding_cause(path, unfused.flip(1), images) == ""
+
+
+WEIGHT = np.array([[10, -20, 30, -40], [50, 60, -70, 80], [-90, 100, 110, -120]], np.int8)
+WEIGHT_SCALES = np.array([0.01, 0.02, 0.004], np.float32)
+INPUT_SCALE = 0.05
+
+
+def _linear_qdq_model(path, bias, trans_b=1, alpha=1.0) -> None:
+    """One Linear (4 -> 3) as torchao's export writes it: a u8 input and per-channel int8
+    weights through DequantizeLinear, a float bias, no QuantizeLinear after (the logits)."""
+    def const(name, value):
+        return numpy_helper.from_array(np.asarray(value), name)
+
+    weight = WEIGHT if trans_b else WEIGHT.T
+    inits = [const("xs", np.float32(INPUT_SCALE)), const("xz", np.uint8(0)),
+             const("w", weight), const("ws", WEIGHT_SCALES), const("wz", np.zeros(3, np.int8)),
+             const("b", np.asarray(bias, np.float32))]
+    nodes = [helper.make_node("QuantizeLinear", ["input", "xs", "xz"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"],
+                              axis=0 if trans_b else 1),
+             helper.make_node("Gemm", ["xd", "wd", "b"], ["logits"], transB=trans_b,
+                              alpha=alpha, name="linear")]
+    graph = helper.make_graph(
+        nodes, "linear", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [None, 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [None, 3])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+@pytest.mark.parametrize("trans_b", [1, 0])
+def test_a_linear_with_a_float_bias_gets_an_int32_one_and_runs_in_int8(tmp_path, trans_b):
+    """torchao's export keeps a Linear's bias float, and ONNX Runtime ran every ort-qat's
+    classifier as a float Gemm; with the bias in int32 at input scale x weight scale, as ONNX
+    Runtime's own quantizer writes it, the Gemm becomes a QGemm with the same outputs."""
+    path = tmp_path / "linear.onnx"
+    bias = [0.50031, -0.25, 0.01307]  # 1000.62, -250 and 65.35 steps
+    _linear_qdq_model(path, bias, trans_b=trans_b)
+    assert onnx_op_counts(path)["Linear"] == {"int8": 0, "float": 1, "ops": {"Gemm": 1}}
+    images = torch.arange(24, dtype=torch.float32).reshape(6, 4) / 20  # on the input's grid
+    before = ort_predict(ort_session(path, threads=1), images)
+
+    assert qdq_onnx.complete_for_onnx_runtime(path, batches=[]) == {
+        "conv_outputs_quantized_before_adds": 0, "linear_biases_quantized": 1}
+    assert onnx_op_counts(path)["Linear"] == {"int8": 1, "float": 0, "ops": {"QGemm": 1}}
+    model = onnx.load(str(path))
+    steps = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer
+             if i.data_type == TensorProto.INT32 and i.dims == [3]}
+    step = (INPUT_SCALE * WEIGHT_SCALES).astype(np.float32)
+    assert [list(v) for v in steps.values()] == [list(np.round(np.float32(bias) / step)),
+                                                 [0, 0, 0]]
+    after = ort_predict(ort_session(path, threads=1), images)
+    # Only the bias moved, each by at most half its step.
+    assert (after - before).abs().max() <= float(step.max()) / 2 + 1e-5
+    assert (after - before).abs().max() > 0.00005  # 0.01307 is 0.35 of its step of 0.0002 off
+
+
+@pytest.mark.parametrize("bias, alpha", [([0.5, -0.25, 0.013], 2.0),  # alpha scales the product
+                                         ([1e9, 0.0, 0.0], 1.0)])  # 2e9 steps: over int32
+def test_a_linear_whose_bias_cannot_be_int32_is_left_as_it_is(tmp_path, bias, alpha):
+    path = tmp_path / "linear.onnx"
+    _linear_qdq_model(path, bias, alpha=alpha)
+    written = path.read_bytes()
+    assert qdq_onnx.complete_for_onnx_runtime(path, batches=[]) == {
+        "conv_outputs_quantized_before_adds": 0, "linear_biases_quantized": 0}
+    assert path.read_bytes() == written
