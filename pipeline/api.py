@@ -23,11 +23,14 @@ if TYPE_CHECKING:  # annotations only: numpy is imported where it is used
 
 def open_run(run=None, artifacts_dir=None):
     """A run folder's path, a run's name, or None for the latest run."""
+    from stages.shared.artifacts import Run
     from stages.shared.artifacts import open_run as open_named
 
     if run is not None and (Path(run) / "manifest.json").is_file():
-        folder = Path(run)
-        return open_named(folder.parent.parent, folder.name)
+        folder = Path(run).absolute()
+        if folder.parent.name == "runs":
+            return open_named(folder.parent.parent, folder.name)
+        return Run(folder.parent, folder.name, folder)  # a run folder copied elsewhere
     folder = artifacts_dir or os.environ.get("PIPELINE_ARTIFACTS_DIR", "artifacts")
     return open_named(Path(folder), None if run is None else str(run))
 

@@ -67,6 +67,16 @@ def _run_options(command):
                         help="Same as the group's --run.")(command)
 
 
+class OptionsAnywhere(click.Command):
+    """A stage whose options may follow its paths (`predict photos/ --top-k 3`): in a chain
+    Click parses a stage's options only up to its first argument. Only for stages that end a
+    chain, since every word after such a stage's options is one of its arguments."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        return super().make_context(info_name, args, parent,
+                                    **extra | {"allow_interspersed_args": True})
+
+
 def _take_run_options(ctx: click.Context, flags: dict) -> None:
     """Move a stage's --run/--artifacts-dir into the chain's choice; two different values for
     one chain are refused, since every stage of a chain works on one run."""
@@ -151,6 +161,8 @@ def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Pa
     _cap_isa_before_any_kernel(ctx, processors)
     world = distributed.setup(ctx.obj["device"])  # a single process unless torchrun started us
     try:
+        for _, process in processors:  # input no stage can work with, refused before any starts
+            getattr(process, "check", lambda artifacts_dir: None)(Path(artifacts_dir))
         if processors[0][0] in CREATES_A_RUN and not ctx.obj.get("resume"):
             # Input that cannot work (a model that does not import, weights that are not
             # weights) is refused before a run folder exists or `latest` moves to it.
@@ -520,10 +532,20 @@ def report(ctx: click.Context, **flags) -> Processor:
             click.echo(f"compare: {run.root / 'report' / 'compare.md'}")
         click.echo(f"report: {run.root / 'report' / 'report.md'}")
 
+    def check(artifacts_dir: Path) -> None:
+        from stages.shared.artifacts import list_runs
+
+        missing = [name for name in config.compare or () if name not in list_runs(artifacts_dir)]
+        if missing:
+            raise click.UsageError(
+                f"--compare: no run {', '.join(map(repr, missing))} in {artifacts_dir}; existing "
+                f"runs: {', '.join(list_runs(artifacts_dir)) or 'none'}")
+
+    process.check = check
     return "report", process
 
 
-@cli.command(context_settings=CONTEXT)
+@cli.command(cls=OptionsAnywhere, context_settings=CONTEXT)
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option("--variant", help="A variant's name, or recommended (the report's choice).  "
               "[default: recommended]")
@@ -537,7 +559,7 @@ def report(ctx: click.Context, **flags) -> Processor:
 def predict(ctx: click.Context, paths, json_lines, **flags) -> Processor:
     """Predict image files (or folders of them) with a variant of the run: one line each.
 
-    Must come last in a chain: it takes every argument after it as a path."""
+    Must come last in a chain: it takes every word after it as a path or one of its options."""
     _take_run_options(ctx, flags)
     config = _build(ctx, "predict", flags | {"paths": paths, "json": json_lines})
 
@@ -569,7 +591,7 @@ def predict(ctx: click.Context, paths, json_lines, **flags) -> Processor:
     return "predict", process
 
 
-@cli.command("export", context_settings=CONTEXT)
+@cli.command("export", cls=OptionsAnywhere, context_settings=CONTEXT)
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=str))
 @click.option("--variant", help="A variant's name, or recommended (the report's choice).  "
               "[default: recommended]")

@@ -303,10 +303,11 @@ class Run:
 
     artifacts_dir: Path
     name: str
+    folder: Path | None = None  # a run folder kept outside <artifacts_dir>/runs (pipeline.load)
 
     @property
     def root(self) -> Path:
-        return self.artifacts_dir / "runs" / self.name
+        return self.folder if self.folder is not None else self.artifacts_dir / "runs" / self.name
 
     @property
     def manifest_path(self) -> Path:
@@ -562,12 +563,16 @@ def open_run(artifacts_dir: Path, name: str | None = None) -> Run:
     """The named run, or the latest one; a missing run is a usage error listing those that exist."""
     artifacts_dir = Path(artifacts_dir)
     known = list_runs(artifacts_dir)
+    existing = ', '.join(known) or 'none (start one with pipeline train)'
     if name is None:
         latest = artifacts_dir / "latest"
         if not latest.is_file():
             raise UsageError(f"no run in {artifacts_dir}; start one with 'pipeline train'")
         name = latest.read_text().strip()
+        if name not in known:
+            raise UsageError(f"{latest} names run {name!r}, which is not in {artifacts_dir}; "
+                             f"pass --run NAME (existing runs: {existing})")
     if name not in known:
         raise UsageError(f"run {name!r} does not exist in {artifacts_dir}; existing runs: "
-                         f"{', '.join(known) or 'none (start one with pipeline train)'}")
+                         f"{existing}")
     return Run(artifacts_dir, name)

@@ -174,6 +174,25 @@ def test_run_and_artifacts_dir_also_follow_the_stage(tmp_path):
     assert f"run 'nope' does not exist in {tmp_path}" in result.stderr
     clash = invoke("--run", "a", "quantize", "--run", "b")
     assert clash.exit_code == 2 and "--run is given twice with different values" in clash.stderr
+    # A `latest` left naming a run that is gone says so, rather than blame a --run never given.
+    from stages.shared import artifacts
+
+    artifacts.create_run(tmp_path, "kept")
+    (tmp_path / "latest").write_text("gone\n")
+    stale = invoke("--artifacts-dir", str(tmp_path), "report")
+    assert stale.exit_code == 2
+    assert (f"{tmp_path / 'latest'} names run 'gone', which is not in {tmp_path}; pass --run NAME "
+            "(existing runs: kept)") in stale.stderr
+
+
+def test_a_compare_run_that_does_not_exist_is_refused_before_the_report_starts(tmp_path):
+    from stages.shared import artifacts
+
+    run = artifacts.create_run(tmp_path, "mine")
+    result = invoke("--artifacts-dir", str(tmp_path), "report", "--compare", "mine,nope")
+    assert result.exit_code == 2
+    assert f"--compare: no run 'nope' in {tmp_path}; existing runs: mine" in result.stderr
+    assert "report" not in run.manifest().get("stages", {})  # not marked failed: it never ran
 
 
 def test_python_dash_m_pipeline_is_the_command_too():
@@ -196,7 +215,9 @@ def test_compare_and_the_speedup_gate(cheap_run):
     assert "| variant | `two` | `cheap` |" in text and "| `ort-static` |" in text
 
     missing = invoke(*base, "--run", "two", *FAST_REPORT, "--compare", "three")
-    assert missing.exit_code == 2 and "run 'three' does not exist" in missing.stderr
+    assert missing.exit_code == 2 and "--compare: no run 'three' in" in missing.stderr
+    assert json.loads((artifacts_dir / "runs" / "two" / "manifest.json").read_text())[
+        "stages"]["report"]["status"] == "complete"  # the report made above stands
 
     gate = invoke(*base, "--run", "two", *FAST_REPORT, "--fail-under-speedup", "1000")
     assert gate.exit_code == 1

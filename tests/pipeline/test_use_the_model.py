@@ -63,6 +63,20 @@ def test_recommended_is_the_reports_choice_and_needs_a_report(tiny_run, fresh_ti
         pipeline.load("fresh", "ort-static", artifacts_dir=fresh_tiny_run.artifacts_dir)
 
 
+
+def test_a_run_folder_copied_anywhere_loads(tiny_run, tmp_path):
+    import shutil
+
+    run = tiny_run["run"]
+    copy = tmp_path / "deployed" / "my-run"
+    shutil.copytree(run.root, copy)
+    model = pipeline.load(copy, "ort-static")
+    assert model.run_name == "my-run"
+    images = splits_of_run(run).test.tensors[0][:16].numpy()
+    np.testing.assert_array_equal(model.predict(images),
+                                  pipeline.load(run.root, "ort-static").predict(images))
+
+
 def test_a_digit_file_is_preprocessed_as_the_data_set_was(tiny_run, tmp_path):
     """A PNG of a test digit becomes, within its 8-bit rounding, the tensor the report scored
     (8x8 normalised, then resized bilinearly to the model's 8x8 here)."""
@@ -100,8 +114,9 @@ def test_predict_prints_a_line_per_image_and_names_what_it_skipped(tiny_run, tmp
     run = tiny_run["run"]
     paths, labels = _digit_files(tmp_path / "digits")
     (tmp_path / "digits" / "notes.png").write_text("not an image")
+    # Options before the paths and after them, as the README writes it.
     result = _invoke("--artifacts-dir", str(run.artifacts_dir), "--run", run.name, "predict",
-                     "--variant", "ort-static", "--top-k", "2", str(tmp_path / "digits"))
+                     "--variant", "ort-static", str(tmp_path / "digits"), "--top-k", "2")
     assert result.exit_code == 1
     lines = result.stdout.strip().splitlines()
     assert len(lines) == len(paths)
@@ -113,8 +128,8 @@ def test_predict_prints_a_line_per_image_and_names_what_it_skipped(tiny_run, tmp
     assert errors[0].startswith(f"pipeline: skipped {tmp_path / 'digits' / 'notes.png'}: ")
     assert errors[-1] == ("pipeline: error: 1 of 13 file(s) were not images and were skipped "
                           "(named above)")
-    as_json = _invoke("--artifacts-dir", str(run.artifacts_dir), "--run", run.name, "predict",
-                      "--json", str(paths[0]))
+    as_json = _invoke("--artifacts-dir", str(run.artifacts_dir), "predict", str(paths[0]),
+                      "--json", "--run", run.name)
     assert as_json.exit_code == 0, as_json.stderr
     record = json.loads(as_json.stdout)
     assert record["path"] == str(paths[0]) and len(record["top"]) == 1
@@ -146,7 +161,7 @@ def test_an_exported_folder_runs_with_onnxruntime_numpy_and_pillow_alone(tiny_ru
     run = tiny_run["run"]
     out = tmp_path / "exported"
     result = _invoke("--artifacts-dir", str(run.artifacts_dir), "--run", run.name, "export",
-                     "--variant", "ort-static", str(out))
+                     str(out), "--variant", "ort-static")
     assert result.exit_code == 0, result.stderr
     assert result.stdout.strip() == f"export: {out}"
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model.onnx",
