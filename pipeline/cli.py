@@ -301,8 +301,8 @@ def _common(ctx: click.Context, flags: dict, *keys: str) -> dict:
 @click.option("--grad-clip", type=float, help="Max gradient norm, 0 for none (clips after "
               "unscaling).  [default: 0]")
 @click.option("--precision", type=click.Choice(cfg.PRECISIONS),
-              help="Autocast type of the amp model; auto: fp16 with GradScaler on CUDA, bf16 on "
-                   "a CPU.")
+              help="Autocast type of the amp model; auto: fp16 with GradScaler on CUDA; on a CPU "
+                   "bf16 where it has bf16 instructions (AVX-512 BF16, AMX), else fp32.")
 @click.option("--baseline/--no-baseline", default=None, help="Also train the fp32 baseline.  "
               "[default: baseline]")
 @click.option("--init-weights", type=click.Path(dir_okay=False), metavar="FILE",
@@ -506,9 +506,11 @@ def quantize(ctx: click.Context, **flags) -> Processor:
 @click.option("--warmup", type=int, help="Untimed calls first.  [default: 3]")
 @click.option("--max-accuracy-drop", type=float, metavar="POINTS",
               help="Held-out accuracy (points) the recommended variant may lose against "
-                   "fp32, at 95% confidence.  [default: 1.0]")
+                   "the model the variants were made from (amp; fp32 where amp is its copy), "
+                   "at 95% confidence.  [default: 1.0]")
 @click.option("--fail-under-speedup", type=float, metavar="X",
-              help="Exit 1 when the recommended variant is less than X times faster than fp32.")
+              help="Exit 1 when the recommended variant is less than X times faster than the "
+                   "model it was made from (amp; fp32 where amp is its copy).")
 @click.option("--fail-under-float-speedup", type=float, metavar="X",
               help="Exit 1 when the recommended variant is less than X times faster than the "
                    "fastest float variant (the report's headline ratio).")

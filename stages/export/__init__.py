@@ -88,8 +88,22 @@ def run(config, run: Run) -> Path:
     name = runtimes.resolve(run, config.variant)
     runtime = runtimes.VARIANTS[name].runtime
     spec = preprocessing_of_run(run)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as scratch:
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:
+        blocking = next((p for p in out_dir.parents if p.exists() and not p.is_dir()),
+                        exc.filename)
+        raise UsageError(f"cannot create {out_dir}: {blocking} is a file, not a folder; give "
+                         "another OUT_DIR") from None
+    except OSError as exc:
+        raise UsageError(f"cannot create {out_dir}: {exc.filename} ({exc.strerror}); give an "
+                         "OUT_DIR whose parent folders you can make") from None
+    try:
+        scratch_dir = tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.")
+    except OSError as exc:
+        raise UsageError(f"cannot write in {out_dir.parent} ({exc.strerror}); give an OUT_DIR "
+                         "in a folder you can write to") from None
+    with scratch_dir as scratch:
         folder = Path(scratch) / "export"
         folder.mkdir()
         serving = {"runtime": runtime}

@@ -1,8 +1,8 @@
-"""Predict with an exported model: python predict.py IMAGE_OR_FOLDER...
+"""Predict with an exported model: python predict.py IMAGE_OR_FOLDER... [--top-k K]
 
-Prints the most probable class of each image, as `pipeline predict` does. Needs onnxruntime,
-numpy and Pillow; preprocess.py and preprocessing.json beside this file say how an image
-becomes the model's input.
+Prints the most probable class of each image (the K most probable with --top-k), as `pipeline
+predict` does. Needs onnxruntime, numpy and Pillow; preprocess.py and preprocessing.json beside
+this file say how an image becomes the model's input.
 """
 import sys
 from pathlib import Path
@@ -13,9 +13,10 @@ import preprocess
 HERE = Path(__file__).resolve().parent
 
 if __name__ == "__main__":
+    args = preprocess.arguments(__doc__)  # --help answers before the model loads
     session = onnxruntime.InferenceSession(str(HERE / "model.onnx"),
                                            providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
-    sys.exit(preprocess.main(sys.argv[1:] or sys.exit(__doc__),
+    sys.exit(preprocess.main(args,
                              preprocess.read_spec(HERE / "preprocessing.json"),
                              lambda batch: session.run(None, {name: batch})[0]))

@@ -44,14 +44,26 @@ def _resize_half_pixel(array: np.ndarray, size: int) -> np.ndarray:
     return rows[..., x0] * (1 - wx) + rows[..., x1] * wx
 
 
+def _eight_bit(image: Image.Image) -> Image.Image:
+    """16-bit grey (PNG, TIFF) scaled to 8 bits: Pillow's convert() clips it at 255 instead,
+    which turned every pixel above 255 of 65535 white."""
+    if image.mode.startswith("I;16") or image.mode == "I":
+        pixels = np.asarray(image).astype(np.float64) / 257.0
+        return Image.fromarray(np.clip(np.round(pixels), 0, 255).astype(np.uint8), "L")
+    if image.mode == "F":
+        raise ValueError("its pixels are 32-bit floats, whose range is unknown; save it with 8 "
+                         "or 16 bits per channel")
+    return image
+
+
 def decode(image, spec: dict) -> np.ndarray:
     """A path or PIL image as uint8 pixels (H, W) or (H, W, 3) in the spec's colour, resized to
     the size the data set's images have before normalising (its source size, or the model's)."""
     if not isinstance(image, Image.Image):
         with Image.open(image) as opened:
-            image = opened.convert(spec["colour"])
+            image = _eight_bit(opened).convert(spec["colour"])
     else:
-        image = image.convert(spec["colour"])
+        image = _eight_bit(image).convert(spec["colour"])
     side = spec.get("source_size") or spec["image_size"]
     if image.size != (side, side):
         image = image.resize((side, side), Image.BILINEAR)
@@ -137,22 +149,40 @@ def predict_files(files, spec: dict, logits_of, batch_size: int = 64, top_k: int
                 yield path, [(spec["classes"][i], float(row[i])) for i in best]
 
 
-def main(paths, spec: dict, logits_of) -> int:
+def arguments(doc: str):
+    """An exported folder's command line: predict.py IMAGE_OR_FOLDER... [--top-k K]."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="predict.py", description=doc.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("paths", nargs="+", metavar="IMAGE_OR_FOLDER")
+    parser.add_argument("--top-k", type=int, default=1, help="classes printed per image")
+    parser.add_argument("--batch-size", type=int, default=16, help="images predicted together")
+    args = parser.parse_args()
+    if args.top_k < 1 or args.batch_size < 1:
+        parser.error("--top-k and --batch-size take a whole number of at least 1")
+    return args
+
+
+def main(args, spec: dict, logits_of) -> int:
     """What an exported folder's `python predict.py IMAGE_OR_FOLDER...` does: one line per
-    image with its most probable class; unreadable files named on stderr; exit status 1 if any
-    was skipped, 2 for a folder with no images."""
+    image with its most probable classes; unreadable files named on stderr; exit status 1 if
+    any was skipped, 2 for a path that does not exist or a folder with no images."""
     import sys
 
-    files, empty = image_files(paths)
+    missing = [path for path in args.paths if not Path(path).exists()]
+    if missing:
+        print(f"predict.py: {', '.join(missing)}: no such file or folder", file=sys.stderr)
+        return 2
+    files, empty = image_files(args.paths)
     if empty:
         print(f"predict.py: {', '.join(map(str, empty))} holds no images", file=sys.stderr)
         return 2
     skipped = 0
-    for path, result in predict_files(files, spec, logits_of, batch_size=16):
+    for path, result in predict_files(files, spec, logits_of, args.batch_size, args.top_k):
         if isinstance(result, str):
             print(f"predict.py: skipped {path}: {result}", file=sys.stderr)
             skipped += 1
         else:
-            name, probability = result[0]
-            print(f"{path}: {name} ({probability:.3f})")
+            print(f"{path}: " + ", ".join(f"{name} ({p:.3f})" for name, p in result))
     return 1 if skipped else 0

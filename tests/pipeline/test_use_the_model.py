@@ -1,5 +1,6 @@
 """What was compressed, used in one line: pipeline.load, pipeline predict, pipeline export."""
 import json
+import re
 import subprocess
 import sys
 import sysconfig
@@ -87,6 +88,14 @@ def test_a_digit_file_is_preprocessed_as_the_data_set_was(tiny_run, tmp_path):
     for path, image in zip(paths, images):
         np.testing.assert_allclose(model.preprocess(path), image, atol=0.02)
     assert model.predict(paths).argmax(1).tolist() == model.predict(images).argmax(1).tolist()
+    # The same digit as 16-bit grey (PNG's I;16) is the same input, not clipped at 255 of 65535.
+    pixels = np.asarray(Image.open(paths[0]), dtype=np.uint16) * 257
+    Image.fromarray(pixels).save(tmp_path / "sixteen.png")
+    assert Image.open(tmp_path / "sixteen.png").mode == "I;16"
+    np.testing.assert_array_equal(model.preprocess(tmp_path / "sixteen.png"),
+                                  model.preprocess(paths[0]))
+    with pytest.raises(ValueError, match="32-bit floats, whose range is unknown"):
+        model.preprocess(Image.fromarray(pixels.astype(np.float32)))
 
 
 def test_the_resize_is_torchs_bilinear_interpolation():
@@ -179,17 +188,33 @@ def test_an_exported_folder_runs_with_onnxruntime_numpy_and_pillow_alone(tiny_ru
     python = _only_onnxruntime_numpy_pillow(tmp_path / "env")
     assert subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode
     paths, _ = _digit_files(tmp_path / "digits")
-    proc = subprocess.run([str(python), str(out / "predict.py"), *map(str, paths)],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    proc = subprocess.run([str(python), str(out / "predict.py"), *map(str, paths), "--top-k",
+                           "2"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     ours = _invoke("--artifacts-dir", str(run.artifacts_dir), "--run", run.name, "predict",
-                   "--variant", "ort-static", *map(str, paths))
-    top1 = [line.rsplit(" (", 1)[0] for line in proc.stdout.strip().splitlines()]
-    assert top1 == [line.rsplit(" (", 1)[0] for line in ours.stdout.strip().splitlines()]
+                   "--variant", "ort-static", *map(str, paths), "--top-k", "2")
+    def classes(output: str) -> list[str]:  # "PATH: 3 (0.912), 5 (0.071)" -> "PATH: 3, 5"
+        return [re.sub(r" \([0-9.]+\)", "", line) for line in output.strip().splitlines()]
+
+    assert classes(proc.stdout) == classes(ours.stdout) and ", " in classes(ours.stdout)[0]
+    usage = subprocess.run([str(python), str(out / "predict.py"), "--help"],
+                           capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 0 and "IMAGE_OR_FOLDER [IMAGE_OR_FOLDER ...]" in usage.stdout
+    missing = subprocess.run([str(python), str(out / "predict.py"), str(tmp_path / "nope.png")],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2
+    assert missing.stderr == f"predict.py: {tmp_path / 'nope.png'}: no such file or folder\n"
     # An export never writes over a folder that holds anything.
     again = _invoke("--artifacts-dir", str(run.artifacts_dir), "--run", run.name, "export",
                     str(out))
     assert again.exit_code == 2 and "already exists and is not an empty folder" in again.stderr
+    # Nor makes one under a file: one line naming it, exit 2.
+    (tmp_path / "afile").write_text("mine")
+    under_a_file = _invoke("--artifacts-dir", str(run.artifacts_dir), "--run", run.name,
+                           "export", str(tmp_path / "afile" / "sub" / "out"))
+    assert under_a_file.exit_code == 2
+    assert (f"cannot create {tmp_path / 'afile' / 'sub' / 'out'}: {tmp_path / 'afile'} is a file, "
+            "not a folder; give another OUT_DIR") in under_a_file.stderr
 
 
 @pytest.mark.slow
