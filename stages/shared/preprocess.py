@@ -46,8 +46,10 @@ def _resize_half_pixel(array: np.ndarray, size: int) -> np.ndarray:
 
 def _eight_bit(image: Image.Image) -> Image.Image:
     """16-bit grey (PNG, TIFF) scaled to 8 bits: Pillow's convert() clips it at 255 instead,
-    which turned every pixel above 255 of 65535 white."""
-    if image.mode.startswith("I;16") or image.mode == "I":
+    which turned every pixel above 255 of 65535 white. Mode I (32-bit integers, how older
+    Pillows open 16-bit PNGs) is taken as 16-bit where a pixel is over 255."""
+    sixteen = image.mode.startswith("I;16") or (image.mode == "I" and image.getextrema()[1] > 255)
+    if sixteen:
         pixels = np.asarray(image).astype(np.float64) / 257.0
         return Image.fromarray(np.clip(np.round(pixels), 0, 255).astype(np.uint8), "L")
     if image.mode == "F":

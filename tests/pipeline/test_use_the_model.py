@@ -94,6 +94,8 @@ def test_a_digit_file_is_preprocessed_as_the_data_set_was(tiny_run, tmp_path):
     assert Image.open(tmp_path / "sixteen.png").mode == "I;16"
     np.testing.assert_array_equal(model.preprocess(tmp_path / "sixteen.png"),
                                   model.preprocess(paths[0]))
+    np.testing.assert_array_equal(model.preprocess(Image.fromarray(pixels.astype(np.int32))),
+                                  model.preprocess(paths[0]))  # mode I, as older Pillows open it
     with pytest.raises(ValueError, match="32-bit floats, whose range is unknown"):
         model.preprocess(Image.fromarray(pixels.astype(np.float32)))
 
