@@ -537,11 +537,12 @@ def report(ctx: click.Context, **flags) -> Processor:
     def check(artifacts_dir: Path) -> None:
         from stages.shared.artifacts import list_runs
 
-        missing = [name for name in config.compare or () if name not in list_runs(artifacts_dir)]
+        known = list_runs(artifacts_dir)
+        missing = [name for name in config.compare or () if name not in known]
         if missing:
             raise click.UsageError(
                 f"--compare: no run {', '.join(map(repr, missing))} in {artifacts_dir}; existing "
-                f"runs: {', '.join(list_runs(artifacts_dir)) or 'none'}")
+                f"runs: {', '.join(known) or 'none'}")
 
     process.check = check
     return "report", process

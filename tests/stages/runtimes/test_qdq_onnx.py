@@ -13,10 +13,6 @@ from stages.runtimes.onnxruntime import onnx_op_counts, ort_predict, ort_session
 def _depthwise_qdq_model(path, weight_scales: list[float], biases: list[float]) -> None:
     """A QDQ model of one 1x1 depthwise conv over two channels, as the ONNX export of a PT2E
     graph writes it: u8 activations, per-channel int8 weights of 63, a float bias."""
-    import numpy as np
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
     def const(name, value):
         return numpy_helper.from_array(np.asarray(value), name)
 
@@ -43,8 +39,6 @@ def test_ort_qat_refusal_names_onnx_runtimes_bias_rounding_where_it_is_the_cause
     """mnasnet0_5's case in miniature: channel 0's input is 0 and its weight scale 40, so its
     output is its bias (1.9, 13 output steps), which ONNX Runtime's fused kernel rounds to a
     step of 0.1 x 40 = 4, that is to 0; channel 1 (bias 1.0, scale 0.01) keeps its bias."""
-    from stages.runtimes.onnxruntime import ort_predict, ort_session
-
     path = tmp_path / "qdq.onnx"
     _depthwise_qdq_model(path, weight_scales=[40.0, 0.01], biases=[1.9, 1.0])
     images = torch.zeros(4, 2, 1, 1)
