@@ -23,16 +23,13 @@ if TYPE_CHECKING:  # annotations only: numpy is imported where it is used
 
 def open_run(run=None, artifacts_dir=None):
     """A run folder's path, a run's name, or None for the latest run."""
-    from stages.shared.artifacts import Run
     from stages.shared.artifacts import open_run as open_named
+    from stages.shared.artifacts import run_at
 
     if run is not None and (Path(run) / "manifest.json").is_file():
-        folder = Path(run).absolute()
-        if folder.parent.name == "runs":
-            return open_named(folder.parent.parent, folder.name)
-        return Run(folder.parent, folder.name, folder)  # a run folder copied elsewhere
+        return run_at(Path(run))
     folder = artifacts_dir or os.environ.get("PIPELINE_ARTIFACTS_DIR", "artifacts")
-    return open_named(Path(folder), None if run is None else str(run))
+    return open_named(Path(folder), None if run is None else os.fspath(run))
 
 
 @dataclass
@@ -55,22 +52,29 @@ class Model:
 
     def predict(self, images) -> "numpy.ndarray":
         """Logits (images, classes) as float32 numpy, for a batch of preprocessed images
-        (numpy or torch, (N, C, H, W) or one (C, H, W)) or a list of paths and PIL images."""
+        (numpy or torch, (N, C, H, W) or one (C, H, W)) or a list of paths and PIL images.
+        Input the model cannot take (raw uint8 pixels, NaN, another size or channel count,
+        values preprocessing cannot give) is refused with one line, never answered."""
         import numpy as np
         import torch
 
         if isinstance(images, (list, tuple)):
-            images = np.stack([self.preprocess(i) if not isinstance(i, np.ndarray) else i
-                               for i in images]) if images else np.zeros(
-                (0, self.spec["channels"], self.spec["image_size"], self.spec["image_size"]),
-                np.float32)
-        batch = torch.as_tensor(np.asarray(images, dtype=np.float32)
-                                if not isinstance(images, torch.Tensor) else images.float())
+            if not images:
+                return np.zeros((0, len(self.classes)), np.float32)
+            images = np.stack([self.checked(i) if isinstance(i, (np.ndarray, torch.Tensor))
+                               else self.preprocess(i) for i in images])
+        batch = torch.from_numpy(self.checked(images))
         if batch.dim() == 3:
             batch = batch[None]
         if len(batch) == 0:
             return np.zeros((0, len(self.classes)), np.float32)
         return self._loaded.predict(batch.contiguous()).numpy()
+
+    def checked(self, images) -> "numpy.ndarray":
+        """``images`` as float32 numpy once they are known to be what this model takes."""
+        from pipeline.inputs import checked_batch
+
+        return checked_batch(images, self.spec)
 
     def __repr__(self) -> str:
         return (f"Model({self.variant!r} of run {self.run_name!r}: {self.serving}; "
@@ -84,6 +88,9 @@ def load(run=None, variant: str = "recommended", *, artifacts_dir=None,
     from stages import runtimes
     from stages.shared.data import preprocessing_of_run
 
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"threads={threads!r}: give 0 (as many as the machine has, up to 8) or "
+                         "a positive whole number of threads")
     opened = open_run(run, artifacts_dir)
     name = runtimes.resolve(opened, variant)
     spec = preprocessing_of_run(opened)

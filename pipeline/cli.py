@@ -38,10 +38,12 @@ class PipelineGroup(click.Group):
             if message.startswith("No such command"):
                 message += f" Commands: {', '.join(self.list_commands(click.Context(self)))}."
             _fail(message, exc.exit_code)
-        except click.Abort:
+        except click.Abort as exc:  # Click turns Ctrl-C into Abort: still 130, as shells expect
+            if isinstance(exc.__context__, KeyboardInterrupt):
+                _fail(INTERRUPTED, 130)
             _fail("aborted", 1)
         except KeyboardInterrupt:
-            _fail("interrupted; files already written are complete, the rest were not written", 130)
+            _fail(INTERRUPTED, 130)
         except Exception as exc:
             from stages.shared.errors import PipelineError
 
@@ -51,6 +53,9 @@ class PipelineGroup(click.Group):
                 _fail(str(exc), exc.exit_code)
             _fail(f"{type(exc).__name__}: {exc} (run again with --debug for the traceback)", 1)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+INTERRUPTED = "interrupted; files already written are complete, the rest were not written"
 
 
 def _fail(message: str, code: int) -> None:
@@ -106,7 +111,8 @@ def _build(ctx: click.Context, stage: str, flags: dict):
               help="Folder that holds runs/ and the pointer to the latest run.")
 @click.option("--run", "run_name", metavar="NAME", envvar="PIPELINE_RUN",
               help="Run to work on. train: name of the new run (default: a timestamp); "
-                   "other stages: an existing run (default: the latest). Under torchrun, whose "
+                   "other stages: an existing run, by name or its folder's path (default: the "
+                   "latest). Under torchrun, whose "
                    "own parser takes --run for --run-path, set PIPELINE_RUN instead.")
 @click.option("--device", type=click.Choice(cfg.DEVICES), default="auto", show_default=True,
               help="Where to train; the report measures every variant on the CPU and, where "
@@ -567,29 +573,19 @@ def predict(ctx: click.Context, paths, json_lines, **flags) -> Processor:
     config = _build(ctx, "predict", flags | {"paths": paths, "json": json_lines})
 
     def process(run) -> None:
-        import json
-
-        from pipeline.api import load, predict_files
+        from pipeline.api import load
         from stages.shared.errors import PipelineError, UsageError
-        from stages.shared.preprocess import image_files
+        from stages.shared.preprocess import image_files, print_predictions, skipped_summary
 
         files, empty = image_files(config.paths)
         if empty:
-            raise UsageError(f"{', '.join(map(str, empty))}: no image files in this folder")
+            raise UsageError(f"{', '.join(map(str, empty))}: no files in this folder")
         model = load(run.root, config.variant, threads=config.threads)
-        skipped = 0
-        for path, result in predict_files(model, files, config.batch_size, config.top_k):
-            if isinstance(result, str):
-                click.echo(f"pipeline: skipped {path}: {result}", err=True)
-                skipped += 1
-            elif config.json:
-                click.echo(json.dumps({"path": str(path), "variant": model.variant, "top": [
-                    {"class": name, "probability": p} for name, p in result]}))
-            else:
-                click.echo(f"{path}: " + ", ".join(f"{name} ({p:.3f})" for name, p in result))
+        skipped = print_predictions(files, model.spec, model.predict, config.batch_size,
+                                    config.top_k, "pipeline",
+                                    model.variant if config.json else None)
         if skipped:
-            raise PipelineError(f"{skipped} of {len(files)} file(s) were not images and were "
-                                "skipped (named above)")
+            raise PipelineError(skipped_summary(skipped, len(files)))
 
     return "predict", process
 
@@ -620,12 +616,19 @@ READS_ONLY = ("predict", "export")  # they change nothing in the run: no lock, n
 def _fail_stage_on_sigterm() -> None:
     """SIGTERM (torchrun stopping the other ranks when one fails, or a user's kill) raises
     SystemExit, so that the stage under way is marked failed; Python's default ends the
-    process where it stands and leaves the stage 'running'. Only the first: a second SIGTERM
-    while the failure is written is ignored."""
+    process where it stands and leaves the stage 'running'. A second SIGTERM ends the process
+    at once, as the default would: what the first started may be stuck (a thread blocked in a
+    read), and `timeout`, systemd and Kubernetes count on SIGTERM working. A status write in
+    progress is not cut short: it holds signals back (_status_write) and meets this after."""
+    import os
     import signal
 
+    def stop_now(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     def stop(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, stop_now)
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)

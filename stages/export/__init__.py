@@ -85,6 +85,12 @@ def run(config, run: Run) -> Path:
     """Write the folder for config.variant (a name or "recommended") at config.out_dir."""
     out_dir = Path(config.out_dir).expanduser()
     check_out_dir(out_dir)
+    if out_dir.is_symlink():  # a link to an empty folder: the folder is written where it points
+        try:
+            out_dir = out_dir.resolve()
+        except (OSError, RuntimeError):  # a loop of links
+            raise UsageError(f"{out_dir} is a link that leads nowhere (a loop); give another "
+                             "OUT_DIR") from None
     name = runtimes.resolve(run, config.variant)
     runtime = runtimes.VARIANTS[name].runtime
     spec = preprocessing_of_run(run)

@@ -13,7 +13,7 @@ import preprocess
 HERE = Path(__file__).resolve().parent
 
 if __name__ == "__main__":
-    args = preprocess.arguments(__doc__)  # --help answers before the model loads
+    args = preprocess.arguments(__doc__, HERE)  # before the model loads: --help, sha256
     session = onnxruntime.InferenceSession(str(HERE / "model.onnx"),
                                            providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name

@@ -13,7 +13,7 @@ import preprocess
 HERE = Path(__file__).resolve().parent
 
 if __name__ == "__main__":
-    args = preprocess.arguments(__doc__)  # --help answers before the model loads
+    args = preprocess.arguments(__doc__, HERE)  # before the model loads: --help, sha256
     core = openvino.Core()
     # f32: on CPUs with bf16 units OpenVINO would otherwise run float layers in bf16.
     compiled = core.compile_model(core.read_model(str(HERE / "model.xml")), "CPU",

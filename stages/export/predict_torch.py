@@ -28,7 +28,7 @@ def logits_of(model, autocast):
 
 
 if __name__ == "__main__":
-    args = preprocess.arguments(__doc__)  # --help answers before the model loads
+    args = preprocess.arguments(__doc__, HERE)  # before the model loads: --help, sha256
     serving = json.loads((HERE / "manifest.json").read_text())["serving"]
     model = torch.export.load(str(HERE / "model.pt2")).module()
     if serving.get("compile"):

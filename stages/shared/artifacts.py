@@ -315,13 +315,18 @@ class Run:
 
     def manifest(self) -> dict:
         try:
-            return json.loads(self.manifest_path.read_text())
+            manifest = json.loads(self.manifest_path.read_text())
         except FileNotFoundError:
             raise UsageError(f"run {self.name!r} has no manifest.json; it was not made by "
                              "'pipeline train'") from None
         except json.JSONDecodeError as exc:
             raise PipelineError(f"{self.manifest_path} is not valid JSON ({exc.msg}); restore it "
                                 "or start a new run with 'pipeline train'") from None
+        problem = manifest_problem(manifest)
+        if problem:
+            raise PipelineError(f"{self.manifest_path} is not a run's manifest ({problem}); "
+                                "restore it or start a new run with 'pipeline train'")
+        return manifest
 
     def artifacts(self) -> dict[str, dict]:
         return self.manifest()["artifacts"]
@@ -429,6 +434,8 @@ class Run:
         stages = manifest.setdefault("stages", {})
         stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
         stages[stage] = stages.get(stage, {}) | {"status": status, status: stamp}
+        if status != "failed":  # an earlier attempt's error no longer describes the stage
+            stages[stage].pop("error", None)
         if detail:
             stages[stage]["error"] = detail
         if seconds is not None:
@@ -452,6 +459,26 @@ class Run:
             return json.loads((self.root / "config.json").read_text()).get(stage, {})
         except (OSError, json.JSONDecodeError):
             return {}
+
+
+def manifest_problem(manifest: Any) -> str | None:
+    """What makes parsed JSON not a manifest, in words; None if it is one. Every reader then
+    indexes it freely: a `{}`, a `[]` or an entry without its sha256 would otherwise end in a
+    raw KeyError or TypeError far from the file that caused it."""
+    if not isinstance(manifest, dict):
+        return f"it holds a JSON {type(manifest).__name__}, not an object"
+    if not isinstance(manifest.get("artifacts"), dict):
+        return "it has no 'artifacts' object"
+    if not isinstance(manifest.get("stages", {}), dict) or not all(
+            isinstance(s, dict) for s in manifest.get("stages", {}).values()):
+        return "its 'stages' are not objects"
+    for name, entry in manifest["artifacts"].items():
+        records = [entry, *entry.get("files", [])] if isinstance(entry, dict) else [entry]
+        for record in records:
+            if not isinstance(record, dict) or not isinstance(record.get("path"), str) or not (
+                    isinstance(record.get("sha256"), str)) or type(record.get("bytes")) is not int:
+                return f"entry {name!r} lacks its path, sha256 or bytes"
+    return None
 
 
 def _overwrite_in_place(path: Path, text: str) -> bool:
@@ -560,13 +587,19 @@ def hold_run(run: Run, doing: str) -> Iterator[None]:
 
 
 def open_run(artifacts_dir: Path, name: str | None = None) -> Run:
-    """The named run, or the latest one; a missing run is a usage error listing those that exist."""
+    """The named run, a run folder's path, or the latest run; a missing run is a usage error
+    listing those that exist."""
     artifacts_dir = Path(artifacts_dir)
     known = list_runs(artifacts_dir)
     existing = ', '.join(known) or 'none (start one with pipeline train)'
+    if name is not None and name not in known and _looks_like_a_path(name):
+        return run_at(Path(name))
     if name is None:
         latest = artifacts_dir / "latest"
         if not latest.is_file():
+            if known:  # runs copied in, or the pointer deleted: say which there are
+                raise UsageError(f"{artifacts_dir} has no 'latest' pointer, so no run is the "
+                                 f"latest; pass --run NAME (existing runs: {existing})")
             raise UsageError(f"no run in {artifacts_dir}; start one with 'pipeline train'")
         name = latest.read_text().strip()
         if name not in known:
@@ -576,3 +609,20 @@ def open_run(artifacts_dir: Path, name: str | None = None) -> Run:
         raise UsageError(f"run {name!r} does not exist in {artifacts_dir}; existing runs: "
                          f"{existing}")
     return Run(artifacts_dir, name)
+
+
+def _looks_like_a_path(name: str) -> bool:
+    return "/" in name or os.sep in name or name in (".", "..") or (
+        Path(name) / "manifest.json").is_file()
+
+
+def run_at(folder: Path) -> Run:
+    """The run in ``folder``, wherever it is: in an artifacts folder's runs/ (whose `latest`
+    it then shares) or copied anywhere."""
+    folder = Path(folder).expanduser().absolute()
+    if not (folder / "manifest.json").is_file():
+        raise UsageError(f"{folder} is not a run folder (it has no manifest.json); give a run's "
+                         "name or the path of its folder")
+    if folder.parent.name == "runs":
+        return Run(folder.parent.parent, folder.name)
+    return Run(folder.parent, folder.name, folder)

@@ -16,12 +16,16 @@ the exported folder's predict.py preprocesses exactly as `pipeline predict` and
 from __future__ import annotations
 
 import json
+import os
+import stat
+import warnings
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
+              (stat.S_ISBLK, "a device"), (stat.S_ISDIR, "a folder"))
 
 
 def read_spec(path) -> dict:
@@ -58,12 +62,44 @@ def _eight_bit(image: Image.Image) -> Image.Image:
     return image
 
 
+class Unreadable(ValueError):
+    """A file that is not predicted, and why, in words for the user."""
+
+
+def read_image(path) -> Image.Image:
+    """The image in ``path``, decoded, from a regular file alone: opening a FIFO waits for a
+    writer forever, and a device never ends. Pillow's guard against decompression bombs refuses
+    (it would otherwise warn on stderr and go on) what is over its pixel limit."""
+    try:
+        info = os.stat(path)
+        kind = next((name for test, name in FILE_KINDS if test(info.st_mode)), "not a file")
+        if not stat.S_ISREG(info.st_mode):
+            raise Unreadable(f"it is {kind}, not a regular file, so it was not opened")
+        # O_NONBLOCK: should the path become a FIFO after the check, open still returns.
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
+            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                raise Unreadable("it is not a regular file, so it was not read")
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                with Image.open(file) as opened:
+                    opened.load()
+                    return opened.copy()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise Unreadable(f"it has more pixels than Pillow's limit of {Image.MAX_IMAGE_PIXELS:,} "
+                         "(its guard against decompression bombs); scale it down first") from None
+    except PermissionError:
+        raise Unreadable("permission denied: this user cannot read it") from None
+    except FileNotFoundError:
+        raise Unreadable("no such file (removed, or a link to nothing)") from None
+    except Image.UnidentifiedImageError:
+        raise Unreadable("not an image file Pillow can read") from None
+
+
 def decode(image, spec: dict) -> np.ndarray:
     """A path or PIL image as uint8 pixels (H, W) or (H, W, 3) in the spec's colour, resized to
     the size the data set's images have before normalising (its source size, or the model's)."""
     if not isinstance(image, Image.Image):
-        with Image.open(image) as opened:
-            image = _eight_bit(opened).convert(spec["colour"])
+        image = _eight_bit(read_image(image)).convert(spec["colour"])
     else:
         image = _eight_bit(image).convert(spec["colour"])
     side = spec.get("source_size") or spec["image_size"]
@@ -93,18 +129,31 @@ def preprocess(image, spec: dict) -> np.ndarray:
 
 
 def image_files(paths) -> tuple[list[Path], list[Path]]:
-    """(files, empty folders): files given as they are, folders searched for image files."""
+    """(files, empty folders): paths given as they are, and everything in a folder that is
+    not a folder itself, whatever its name: Pillow knows an image by its content (a .gif, a
+    file with no extension), and what it cannot read is named as skipped, never dropped."""
     files, empty = [], []
     for path in map(Path, paths):
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*")
-                           if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+            found = sorted(p for p in path.rglob("*") if not p.is_dir())
             files += found
             if not found:
                 empty.append(path)
         else:
             files.append(path)
     return files, empty
+
+
+def printable(text) -> str:
+    """``text`` with control characters escaped: a class or file name holding a newline must
+    not print a line of its own that reads as another image's result."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+def result_line(path, result) -> str:
+    """One image's line of text output: its path and its most probable classes."""
+    return f"{printable(path)}: " + ", ".join(f"{printable(name)} ({p:.3f})"
+                                              for name, p in result)
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -151,9 +200,11 @@ def predict_files(files, spec: dict, logits_of, batch_size: int = 64, top_k: int
                 yield path, [(spec["classes"][i], float(row[i])) for i in best]
 
 
-def arguments(doc: str):
-    """An exported folder's command line: predict.py IMAGE_OR_FOLDER... [--top-k K]."""
+def arguments(doc: str, folder: Path):
+    """An exported folder's command line: predict.py IMAGE_OR_FOLDER... [--top-k K]; then the
+    folder's files checked against its manifest.json before the model is loaded (exit 1)."""
     import argparse
+    import sys
 
     parser = argparse.ArgumentParser(prog="predict.py", description=doc.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -163,13 +214,59 @@ def arguments(doc: str):
     args = parser.parse_args()
     if args.top_k < 1 or args.batch_size < 1:
         parser.error("--top-k and --batch-size take a whole number of at least 1")
+    problem = verify_folder(folder)
+    if problem:
+        print(f"predict.py: {problem}", file=sys.stderr)
+        sys.exit(1)
     return args
+
+
+def print_predictions(files, spec: dict, logits_of, batch_size: int, top_k: int, prog: str,
+                      variant: str | None = None) -> int:
+    """One line per image on stdout (a JSON object each where ``variant`` is given), each file
+    that could not be predicted named on stderr with why; returns how many were skipped."""
+    import sys
+
+    skipped = 0
+    for path, result in predict_files(files, spec, logits_of, batch_size, top_k):
+        if isinstance(result, str):
+            print(f"{prog}: skipped {printable(path)}: {result}", file=sys.stderr, flush=True)
+            skipped += 1
+        elif variant is not None:
+            print(json.dumps({"path": str(path), "variant": variant, "top": [
+                {"class": name, "probability": p} for name, p in result]}), flush=True)
+        else:
+            print(result_line(path, result), flush=True)
+    return skipped
+
+
+def skipped_summary(skipped: int, total: int) -> str:
+    return (f"{skipped} of {total} file(s) could not be predicted and were skipped (named "
+            "above)")
+
+
+def verify_folder(folder: Path) -> str | None:
+    """Why an exported folder's files are not those its manifest.json lists (a file changed,
+    truncated or missing), or None when every sha256 matches."""
+    import hashlib
+
+    try:
+        files = json.loads((folder / "manifest.json").read_text())["files"]
+        for name, record in files.items():
+            digest = hashlib.sha256((folder / Path(name).name).read_bytes()).hexdigest()
+            if digest != record["sha256"]:
+                return (f"{name} does not match its sha256 in manifest.json (changed or "
+                        "truncated since export); export the variant again")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return (f"manifest.json or a file it lists cannot be read ({type(exc).__name__}: "
+                f"{exc}); export the variant again")
+    return None
 
 
 def main(args, spec: dict, logits_of) -> int:
     """What an exported folder's `python predict.py IMAGE_OR_FOLDER...` does: one line per
     image with its most probable classes; unreadable files named on stderr; exit status 1 if
-    any was skipped, 2 for a path that does not exist or a folder with no images."""
+    any was skipped, 2 for a path that does not exist or a folder with no files."""
     import sys
 
     missing = [path for path in args.paths if not Path(path).exists()]
@@ -178,13 +275,9 @@ def main(args, spec: dict, logits_of) -> int:
         return 2
     files, empty = image_files(args.paths)
     if empty:
-        print(f"predict.py: {', '.join(map(str, empty))} holds no images", file=sys.stderr)
+        print(f"predict.py: {', '.join(map(str, empty))} holds no files", file=sys.stderr)
         return 2
-    skipped = 0
-    for path, result in predict_files(files, spec, logits_of, args.batch_size, args.top_k):
-        if isinstance(result, str):
-            print(f"predict.py: skipped {path}: {result}", file=sys.stderr)
-            skipped += 1
-        else:
-            print(f"{path}: " + ", ".join(f"{name} ({p:.3f})" for name, p in result))
+    skipped = print_predictions(files, spec, logits_of, args.batch_size, args.top_k, "predict.py")
+    if skipped:
+        print(f"predict.py: {skipped_summary(skipped, len(files))}", file=sys.stderr)
     return 1 if skipped else 0

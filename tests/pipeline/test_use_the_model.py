@@ -137,8 +137,8 @@ def test_predict_prints_a_line_per_image_and_names_what_it_skipped(tiny_run, tmp
         assert line.startswith(f"{path}: {best} (") and line.count("(") == 2
     errors = result.stderr.strip().splitlines()
     assert errors[0].startswith(f"pipeline: skipped {tmp_path / 'digits' / 'notes.png'}: ")
-    assert errors[-1] == ("pipeline: error: 1 of 13 file(s) were not images and were skipped "
-                          "(named above)")
+    assert errors[-1] == ("pipeline: error: 1 of 13 file(s) could not be predicted and were "
+                          "skipped (named above)")
     as_json = _invoke("--artifacts-dir", str(run.artifacts_dir), "predict", str(paths[0]),
                       "--json", "--run", run.name)
     assert as_json.exit_code == 0, as_json.stderr
@@ -148,7 +148,7 @@ def test_predict_prints_a_line_per_image_and_names_what_it_skipped(tiny_run, tmp
     (tmp_path / "empty").mkdir()
     empty = _invoke("--artifacts-dir", str(run.artifacts_dir), "predict", str(tmp_path / "empty"))
     assert empty.exit_code == 2
-    assert f"{tmp_path / 'empty'}: no image files in this folder" in empty.stderr
+    assert f"{tmp_path / 'empty'}: no files in this folder" in empty.stderr
     # Reading changes nothing in the run: no stage status, no lock taken.
     assert "predict" not in run.manifest()["stages"]
 
