@@ -37,6 +37,9 @@ class Loaded:
     serving: str  # how it runs, in words, for the report
     device: str = "cpu"
     timer: str = "wall"  # "wall": the host's clock; "cuda-events": the GPU's (stages/runtimes/gpu)
+    # (batch, calls) -> ms per call of each operator type, by the runtime's own profiler
+    # (stages/runtimes/profilers.py); None where the runtime offers none.
+    profile: Callable | None = None
 
 
 FLOAT = "float"  # a source that means the run's float model: amp, or an imported fp32

@@ -15,7 +15,7 @@ import shutil
 from collections import defaultdict
 from pathlib import Path
 
-from stages.runtimes import FLOAT, Loaded, declare, loader, onnx_export, variant
+from stages.runtimes import FLOAT, Loaded, declare, loader, onnx_export, profilers, variant
 from stages.runtimes.onnx_export import INPUT_NAME, OUTPUT_NAME
 from stages.shared import sensitivity, tuning
 from stages.shared.artifacts import atomic_path
@@ -361,4 +361,6 @@ def load(run, name: str, threads: int) -> Loaded:
     kind = (run.entry(name).get("quantization") or {}).get("format", "")
     return Loaded(lambda images: ort_predict(session, images),
                   lambda batch: ort_call(session, batch), onnx_op_counts(path),
-                  f"ONNX Runtime {onnxruntime.__version__}" + (f", {kind}" if kind else ""))
+                  f"ONNX Runtime {onnxruntime.__version__}" + (f", {kind}" if kind else ""),
+                  profile=lambda batch, calls: profilers.onnxruntime_profile(
+                      path, _session_options(threads), batch, calls))

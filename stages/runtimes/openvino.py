@@ -15,7 +15,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from stages.runtimes import Loaded, loader, variant
+from stages.runtimes import Loaded, loader, profilers, variant
 from stages.shared import sensitivity, tuning
 from stages.shared.artifacts import atomic_path
 from stages.shared.errors import PipelineError
@@ -67,9 +67,9 @@ def core():
     return _openvino().Core()
 
 
-def compile_model(model, threads: int):
+def compile_model(model, threads: int, profiling: bool = False):
     config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads,
-              "PERFORMANCE_HINT": "LATENCY"}
+              "PERFORMANCE_HINT": "LATENCY", "PERF_COUNT": profiling}
     try:
         return core().compile_model(model, "CPU", config)
     except Exception as exc:
@@ -242,4 +242,6 @@ def load(run, name: str, threads: int) -> Loaded:
     predict, call_for = _runner(compiled)
     precision = "int8 (NNCF)" if name.endswith("int8") else "f32 hint"
     return Loaded(predict, call_for, runtime_op_counts(compiled),
-                  f"OpenVINO {ov.get_version().split('-')[0]}, {precision}")
+                  f"OpenVINO {ov.get_version().split('-')[0]}, {precision}",
+                  profile=lambda batch, calls: profilers.openvino_profile(
+                      compile_model(model, threads, profiling=True), batch, calls))

@@ -16,7 +16,16 @@ import functools
 import re
 import warnings
 
-from stages.runtimes import FLOAT, Loaded, declare, graph_file, loader, torchao_patterns, variant
+from stages.runtimes import (
+    FLOAT,
+    Loaded,
+    declare,
+    graph_file,
+    loader,
+    profilers,
+    torchao_patterns,
+    variant,
+)
 from stages.shared import sensitivity, tuning
 from stages.shared.artifacts import atomic_torch_save, load_checkpoint, sha256_file
 from stages.shared.errors import PipelineError
@@ -495,18 +504,25 @@ def load(run, name: str, threads: int) -> Loaded:
             return Loaded(lambda images: predict_compiled(compiled, images),
                           lambda batch: _call(compiled, batch),
                           entry["quantization"]["op_counts"],
-                          "torch.compile (Inductor, freezing), fp32")
+                          "torch.compile (Inductor, freezing), fp32",
+                          profile=_profiled(compiled))
         precision = (entry.get("training") or {}).get("precision", "fp32")
         if name == "amp" and precision in ("bf16", "fp16"):
             dtype = torch.bfloat16 if precision == "bf16" else torch.float16
             context = lambda: torch.autocast("cpu", dtype=dtype)  # noqa: E731
             return Loaded(lambda images: predict(model, images, autocast=context),
                           lambda batch: _call(model, batch, context), eager_counts(model),
-                          f"eager PyTorch under {precision} autocast, as trained")
+                          f"eager PyTorch under {precision} autocast, as trained",
+                          profile=_profiled(model, context))
         return Loaded(lambda images: predict(model, images), lambda batch: _call(model, batch),
-                      eager_counts(model), "eager PyTorch, fp32")
+                      eager_counts(model), "eager PyTorch, fp32", profile=_profiled(model))
     run.verified_path(name)  # checked every time, compiled once per process
     compiled = compiled_once(entry["sha256"], "pt2e", lambda: load_pt2e(run, name))
     return Loaded(lambda images: predict_compiled(compiled, images),
                   lambda batch: _call(compiled, batch),
-                  entry["quantization"]["op_counts"], "PT2E int8, torch.compile (Inductor)")
+                  entry["quantization"]["op_counts"], "PT2E int8, torch.compile (Inductor)",
+                  profile=_profiled(compiled))
+
+
+def _profiled(model, context=contextlib.nullcontext):
+    return lambda batch, calls: profilers.torch_profile(_call(model, batch, context), calls)

@@ -1,0 +1,111 @@
+"""Where a call's time goes, by operator type, measured by each runtime's own profiler.
+
+Every function here times ``calls`` calls after one untimed call and returns milliseconds per
+call for each operator type the runtime reports, as the runtime names it (ONNX Runtime's
+`QLinearConv`, OpenVINO's `Convolution`, PyTorch's `onednn::qconv2d_pointwise`): the report
+groups them. A profiler adds its own overhead, so these figures say where the time goes, not
+how long a call takes: the report's latency harness says that.
+
+- ONNX Runtime: the session's profiling (`enable_profiling`), each node's kernel time, from
+  the runs after the first;
+- OpenVINO: the CPU plugin's performance counters (`PERF_COUNT`), the real time of each node
+  that executed;
+- PyTorch: `torch.profiler`, each operator's self time on the calling thread (an operator's
+  parallel region counts once, as wall time), so that nested operators are not counted twice.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+
+def onnxruntime_profile(path: Path, options, batch, calls: int) -> dict[str, float]:
+    """ms per call of each ONNX operator type, from a profiling session of the model opened
+    with the session ``options`` it is served with."""
+    import onnxruntime as ort
+
+    from stages.runtimes.onnx_export import INPUT_NAME, OUTPUT_NAME
+
+    options.enable_profiling = True
+    with tempfile.TemporaryDirectory() as folder:
+        options.profile_file_prefix = str(Path(folder) / "ort")
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        feed = {INPUT_NAME: batch.numpy()}
+        for _ in range(calls + 1):
+            session.run([OUTPUT_NAME], feed)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")
+    timed = runs[-calls:]  # the first run allocates and is left out
+    totals: dict[str, float] = defaultdict(float)
+    for event in events:
+        if event.get("cat") != "Node" or not event.get("name", "").endswith("_kernel_time"):
+            continue
+        if any(start <= event["ts"] <= end for start, end in timed):
+            totals[event["args"]["op_name"]] += event["dur"] / 1000.0 / len(timed)
+    return dict(totals)
+
+
+def openvino_profile(compiled, batch, calls: int) -> dict[str, float]:
+    """ms per call of each OpenVINO node type that executed, from a model compiled with its
+    performance counters on, keyed with the precision of the kernel that ran it
+    ("Convolution (I8)"): an int8 model's float leftovers show as such."""
+    import numpy as np
+    import openvino as ov
+
+    request = compiled.create_infer_request()
+    array = np.ascontiguousarray(batch.numpy(), dtype=np.float32)
+    request.infer({0: array})
+    totals: dict[str, float] = defaultdict(float)
+    executed = ov.ProfilingInfo.Status.EXECUTED
+    for _ in range(calls):
+        request.infer({0: array})
+        for info in request.profiling_info:  # the counters of the last inference
+            if info.status == executed:
+                precision = info.exec_type.rsplit("_", 1)[-1].upper()
+                key = f"{info.node_type} ({precision})" if precision in KERNEL_PRECISIONS \
+                    else info.node_type
+                totals[key] += info.real_time.total_seconds() * 1000.0 / calls
+    return dict(totals)
+
+
+KERNEL_PRECISIONS = ("I8", "U8", "FP32", "F32", "BF16", "FP16", "F16")
+
+
+def torch_profile(call: Callable[[], object], calls: int) -> dict[str, float]:
+    """ms per call of each PyTorch operator (and of each compiled graph's own code), by self
+    time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    profiler = profile(activities=[ProfilerActivity.CPU])
+    with _native_stderr_silenced():  # Kineto prints "profiler_start" and a GPU probe's error
+        profiler.start()
+    try:
+        for _ in range(calls):
+            call()
+    finally:
+        with _native_stderr_silenced():
+            profiler.stop()
+    return {event.key: event.self_cpu_time_total / 1000.0 / calls
+            for event in profiler.key_averages() if event.self_cpu_time_total > 0}
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """File descriptor 2 pointed at /dev/null: what C++ code writes there is dropped (Python's
+    own sys.stderr is flushed first and works again after)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

@@ -1,0 +1,83 @@
+"""Where the time goes: each runtime's profiler on real variants, and the report's grouping."""
+import pytest
+import torch
+
+from stages import runtimes
+from stages.report import profile
+from tests.conftest import FROM_QUANTIZE
+
+
+@pytest.mark.parametrize("operator, kind", [
+    ("QLinearConv", "convolution"), ("Convolution (I8)", "convolution"),
+    ("onednn::qconv2d_pointwise", "convolution"), ("aten::mkldnn_convolution", "convolution"),
+    ("QGemm", "matrix product"), ("onednn::qlinear_pointwise", "matrix product"),
+    ("FullyConnectedQuantizedLegacy (I8)", "matrix product"), ("aten::addmm", "matrix product"),
+    ("QuantizeLinear", "quantize/dequantize"), ("DequantizeLinear", "quantize/dequantize"),
+    ("quantized_decomposed::quantize_per_tensor", "quantize/dequantize"),
+    ("FakeQuantize", "quantize/dequantize"), ("quantized::max_pool2d", "pooling"),
+    ("QLinearAdd", "element-wise (activations, add, norm)"), ("NhwcMaxPool", "pooling"),
+    ("Reorder (FP32)", "layout (reorder, copy, reshape)"), ("aten::copy_", "layout (reorder, "
+                                                                          "copy, reshape)"),
+    ("## Call CompiledFxGraph None ##", "compiled graph's own code"),
+    ("Subgraph", "compiled graph's own code"), ("ShapeOf", "other"),
+])
+def test_operators_of_every_runtime_group_into_the_same_kinds(operator, kind):
+    assert profile.kind_of(operator) == kind
+
+
+@pytest.mark.parametrize("name", FROM_QUANTIZE)
+def test_every_runtime_profiles_its_variant_with_its_own_profiler(tiny_run, name):
+    run = tiny_run["run"]
+    loaded = runtimes.load(run, name, 1)
+    operators = loaded.profile(torch.randn(4, 1, 8, 8), 3)
+    assert operators and all(ms > 0 for ms in operators.values())
+    kinds = {profile.kind_of(op) for op in operators}
+    # Every variant of the tiny CNN convolves; int8 ones run some int8 kernel by name.
+    assert "convolution" in kinds, operators
+    runtime = runtimes.VARIANTS[name].runtime
+    if runtime == "openvino":
+        assert any(op.startswith("Convolution (") for op in operators), operators
+        if name == "openvino-int8":
+            assert "Convolution (I8)" in operators or "Convolution (U8)" in operators
+    if name in ("ort-static",):
+        assert "QLinearConv" in operators, operators
+    if name == "torch-static":
+        assert any("qconv" in op for op in operators), operators
+
+
+def _row(name, int8, p50, ratio, best_float):
+    return {"name": name, "int8": int8, "latency_ms": {"32": {"p50": p50}},
+            "speedup_vs_best_float": {"32": {"ratio": ratio, "low": ratio * 0.9,
+                                             "high": ratio * 1.1, "best_float": best_float}}}
+
+
+def test_the_recommendation_and_each_slow_int8_variant_are_profiled_against_float():
+    rows = [_row("onnx-fp32", False, 10.0, 1.0, "onnx-fp32"),
+            _row("ort-static", True, 5.0, 2.0, "onnx-fp32"),
+            _row("torch-static", True, 20.0, 0.5, "onnx-fp32"),
+            _row("openvino-int8", True, 9.5, 1.05, "onnx-fp32")]  # within noise: not slow
+    verdict = {"recommended": "ort-static", "batch_size": 32,
+               "per_batch_size": {"32": {"best_float": "onnx-fp32"}}}
+    assert profile.chosen_pairs(rows, verdict) == [("ort-static", "onnx-fp32"),
+                                                   ("torch-static", "onnx-fp32")]
+    asked = []
+
+    class Fake:
+        def __init__(self, operators):
+            self.profile = lambda batch, calls: asked.append(calls) or operators
+
+    loaded = {"onnx-fp32": Fake({"Conv": 8.0, "Gemm": 2.0}),
+              "ort-static": Fake({"QLinearConv": 3.0, "QuantizeLinear": 1.0, "QGemm": 1.0}),
+              "torch-static": Fake({"onednn::qconv2d_pointwise": 6.0,
+                                    "quantized_decomposed::quantize_per_tensor": 14.0})}
+    profiles = profile.measure(loaded, rows, verdict, batch=None)
+    assert asked == [20, 20, 20]  # 0.5 s of calls each, at most 20
+    first = profiles["tables"][0]
+    assert first["variant"] == "ort-static" and first["float"] == "onnx-fp32"
+    assert first["rows"][0] == {"kind": "convolution", "float_ms": 8.0, "ms": 3.0, "share": 0.6}
+    assert profile.top_operators(profiles, "torch-static") == (
+        "quantized_decomposed::quantize_per_tensor 14.00 ms (70%), "
+        "onednn::qconv2d_pointwise 6.00 ms (30%)")
+    text = "\n".join(profile.markdown(profiles))
+    assert "| quantize/dequantize | - | 14.00 | 70% |" in text
+    assert "| convolution | 8.00 | 3.00 | 60% |" in text
