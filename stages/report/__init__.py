@@ -19,7 +19,7 @@ from stages import runtimes
 from stages.report import plots
 from stages.report.markdown import compare_markdown, markdown
 from stages.runtimes import gpu
-from stages.shared import machine, timing
+from stages.shared import contention, machine, timing
 from stages.shared.artifacts import Run, atomic_write_json, atomic_write_text, open_run
 from stages.shared.data import (
     BASELINE_WORDS,
@@ -123,6 +123,8 @@ def measure_variants(run: Run, config, threads: int, scratch: Path) -> tuple[lis
     judging_half = validation_halves(len(selection.datasets[0]))[1]
     rows, loaded, logits, unmeasured = [], {}, {}, []
     served = servings(run, config, threads, scratch)
+    for variant in dict.fromkeys(variant for _, variant, _ in served):
+        run.verified_path(variant)  # every file at once: not a tampered one found minutes in
     reference = reference_of(run, [name for name, _, _ in served])
     for name, variant, load in served:
         say(f"report: loading and scoring {name} ...", quiet=config.quiet)
@@ -166,7 +168,7 @@ def measure_variants(run: Run, config, threads: int, scratch: Path) -> tuple[lis
             row[split]["change_vs_reference"] = paired_difference_interval(  # the same images
                 [by_name[reference]["_hits"][split][i] for i in judged],
                 [row["_hits"][split][i] for i in judged])
-    timings = time_variants(loaded, splits, config)
+    timings, conditions = time_variants(loaded, splits, config, threads)
     for row in rows:
         row["latency_ms"] = {b: t[row["name"]].summary() | {"rounds_ms": [
             [s * 1000 for s in calls] for calls in t[row["name"]].rounds]}
@@ -177,14 +179,19 @@ def measure_variants(run: Run, config, threads: int, scratch: Path) -> tuple[lis
             row["peak_gpu_memory_bytes"] = gpu.peak_memory(loaded[row["name"]].call_for(largest))
     speedups(rows, reference)
     return rows, {"reference": reference, "parity": parity(run, logits),
-                  "unmeasured": unmeasured}
+                  "unmeasured": unmeasured, "timing_conditions": conditions}
 
 
-def time_variants(loaded: dict, splits, config) -> dict[str, dict[str, timing.Timing]]:
+def time_variants(loaded: dict, splits, config, threads: int,
+                  meter: contention.Meter | None = None
+                  ) -> tuple[dict[str, dict[str, timing.Timing]], dict]:
     """Every variant of a device in the same interleaved rounds, batch size by batch size,
     until every speed-up against that device's fastest float variant is known to within
-    --target-interval. GPU rows are timed by CUDA events where they run on PyTorch's stream."""
+    --target-interval. GPU rows are timed by CUDA events where they run on PyTorch's stream.
+    A batch size timed while other processes took the cores is timed again
+    (stages/shared/contention.py); also returned: what each was timed beside."""
     timings: dict[str, dict[str, timing.Timing]] = {}
+    watch = contention.Watch(threads, meter)
     for device in sorted({item.device for item in loaded.values()}, key=DEVICES.index):
         on_device = {name: item for name, item in loaded.items() if item.device == device}
         floats = {name for name in on_device if not _is_int8(name)}
@@ -194,12 +201,12 @@ def time_variants(loaded: dict, splits, config) -> dict[str, dict[str, timing.Ti
                 f"{size} ...", quiet=config.quiet)
             batch = timing.random_batch(splits.input_shape(size))
             calls = {name: item.call_for(batch) for name, item in on_device.items()}
-            timings.setdefault(str(size), {}).update(timing.interleaved(
-                calls, config.rounds, config.repeats, config.warmup,
+            timings.setdefault(str(size), {}).update(watch.time(device, size, functools.partial(
+                timing.interleaved, calls, config.rounds, config.repeats, config.warmup,
                 max_rounds=config.max_rounds,
                 done=timing.narrow_enough(floats, config.target_interval),
-                budget_seconds=config.timing_budget, timers=timers))
-    return timings
+                budget_seconds=config.timing_budget, timers=timers)))
+    return timings, watch.record()
 
 
 DEVICES = ["cpu", "cuda"]
@@ -437,7 +444,7 @@ def run(config, run: Run) -> dict:
     compared = [open_run(run.artifacts_dir, name) for name in config.compare if name != run.name]
     with tempfile.TemporaryDirectory() as scratch:
         rows, measured = measure_variants(run, config, threads, Path(scratch))
-    reference = measured["reference"]
+    reference, conditions = measured["reference"], measured["timing_conditions"]
     training = training_rows(run)
     histories = _histories(run)
     environment = machine.environment(threads)
@@ -457,15 +464,19 @@ def run(config, run: Run) -> dict:
         "run": run.name, "reference": reference,
         "config": asdict(config) | {"threads": threads}, "models": rows,
         "training": training, "training_history": histories,
-        "verdict": verdict(on_device(rows, "cpu"), reference, config.max_accuracy_drop) | {
+        "verdict": contention.mark_verdict(verdict(
+            on_device(rows, "cpu"), reference, config.max_accuracy_drop), conditions, "cpu") | {
             "device": "cpu",
-            "gpu": verdict(gpu_rows, device_reference(rows, reference, "cuda"),
-                           config.max_accuracy_drop) | {"device": "cuda"} if gpu_rows else None},
-        "warnings": warnings_for(rows, reference, config.max_accuracy_drop, training)
+            "gpu": contention.mark_verdict(verdict(
+                gpu_rows, device_reference(rows, reference, "cuda"), config.max_accuracy_drop),
+                conditions, "cuda") | {"device": "cuda"} if gpu_rows else None},
+        "warnings": contention.warnings(conditions)
+        + warnings_for(rows, reference, config.max_accuracy_drop, training)
         + parity_warnings(measured["parity"]) + isa_note(environment)
         + [f"{name} (quantize): {why}" for name, why in run.recorded_config(
             "quantize").get("not_kept", {}).items()],
         "parity": measured["parity"], "figures": figures, "environment": environment,
+        "timing_conditions": conditions,
     }
     atomic_write_json(folder / "report.json", report)
     atomic_write_text(folder / "report.md", markdown(report))
@@ -515,7 +526,8 @@ def summary_table(report: dict) -> str:
                      f"{v['size_ratio']:.2f}x the size, {v['accuracy_change_points']:+.2f} "
                      "points on the test split)")
     note = report["environment"].get("gpu_note")
-    return "\n".join(lines + ([note] if note and not report["verdict"].get("gpu") else []))
+    lines += [note] if note and not report["verdict"].get("gpu") else []
+    return "\n".join(lines + contention.warnings(report.get("timing_conditions")))
 
 
 __all__ = ["run", "summary_table", "compare_markdown", "open_run"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from stages import runtimes
-from stages.shared import tuning
+from stages.shared import contention, tuning
 from stages.shared.artifacts import Run
 from stages.shared.data import BASELINE_WORDS, SELECTION_WORDS, VALIDATION_WORDS
 from stages.shared.errors import UsageError
@@ -42,6 +42,7 @@ def _verdict_paragraph(report: dict) -> list[str]:
         f"{v['size_ratio']:.2f}x its size. On the test split, which chose nothing, it scores "
         f"{v['test_accuracy']:.2%}, {v['accuracy_change_points']:+.2f} points against `{ref}` "
         f"(95% interval {low:+.2f} to {high:+.2f}, {noise}).", ""]
+    lines += _timing_caveat(report.get("timing_conditions"))
     fine_tuned = [m["name"] for m in report["models"]
                   if m["validation"]["images"] == VALIDATION_WORDS]
     if fine_tuned:
@@ -72,6 +73,32 @@ def _verdict_paragraph(report: dict) -> list[str]:
                   + (f"; within noise: {', '.join(f'`{n}`' for n in choice['within_noise_of'])}"
                      if choice["within_noise_of"] else "") + ".", ""]
     return lines
+
+
+def _timing_caveat(record: dict | None) -> list[str]:
+    """What disturbed the timing, where something did: figures taken beside other work are
+    never presented as clean."""
+    if not record or record["clean"]:
+        return []
+    disturbed = [s for s in record["sessions"] if not s["clean"]]
+    title = ("Timed on a busy machine" if any(s["busy"] for s in disturbed)
+             else "Timed in unsteady rounds")
+    return [f"**{title}: these latencies are not clean figures.** "
+            + " ".join(contention.describe(s, record) for s in disturbed)
+            + " Measure them again on a quiet machine (`pipeline report` on this run) before "
+            "trusting the speed-ups and the choice made on them.", ""]
+
+
+def _quiet_sentence(record: dict | None) -> str:
+    """How busy the machine was while timing, for the table's note."""
+    measured = [s["others_cores"] for s in (record or {}).get("sessions", [])
+                if s["others_cores"] is not None]
+    if not measured:
+        return ""
+    state = "clean" if record["clean"] else "not clean, as the verdict says"
+    return (f" Other processes used at most {max(measured):.2f} cores on average while a batch "
+            f"size was timed (from /proc/stat; over {record['others_cores_limit']:.2f} a "
+            f"batch size is timed again, at most {record['retries']} more time(s)): {state}.")
 
 
 def _epochs_cut(fine_tuned: dict | None) -> str:
@@ -122,7 +149,7 @@ def _models_table(report: dict) -> list[str]:
               f"the process used the CPU, after a wait of at most {waited:.0f} ms), with 95% "
               "bootstrap intervals over the rounds. Accuracy: top-1 on the test split, Wilson "
               f"intervals; the change against `{ref}` uses Newcombe's paired interval on the "
-              "same images.", ""]
+              "same images." + _quiet_sentence(report.get("timing_conditions")), ""]
     return lines
 
 

@@ -67,7 +67,18 @@ class Timing:
     def summary(self) -> dict:
         waits = self.idle_waits or [0.0]
         return summarize([s for calls in self.rounds for s in calls]) | {
-            "rounds": len(self.rounds), "idle_wait_ms_max": max(waits) * 1000.0}
+            "rounds": len(self.rounds), "idle_wait_ms_max": max(waits) * 1000.0,
+            "round_spread": self.round_spread()}
+
+    def round_spread(self) -> float:
+        """How many times slower the slower quarter of the rounds ran than the faster quarter
+        (upper over lower quartile of the rounds' medians). The same calls on the same input
+        take the same time on a machine that stays the same, so a wide spread means something
+        else took the machine during some of the rounds."""
+        medians = sorted(statistics.median(calls) for calls in self.rounds if calls)
+        if len(medians) < 2 or _percentile(medians, 0.25) <= 0:
+            return 1.0
+        return _percentile(medians, 0.75) / _percentile(medians, 0.25)
 
 
 def wait_until_idle(max_wait: float = IDLE_MAX_WAIT, window: float = IDLE_WINDOW,
@@ -98,15 +109,17 @@ def interleaved(calls: dict[str, Callable[[], object]], rounds: int, repeats: in
                 budget_seconds: float | None = None,
                 clock: Callable[[], float] = time.perf_counter,
                 idle: Callable[[], float] = wait_until_idle,
-                timers: dict[str, Callable[[Callable], float]] | None = None
-                ) -> dict[str, Timing]:
+                timers: dict[str, Callable[[Callable], float]] | None = None,
+                begin: Callable[[], object] | None = None) -> dict[str, Timing]:
     """Time every call in at least ``rounds`` rounds, rotating the order each round.
 
     ``repeats`` timed calls per variant and round, or 0 for as many as fill ROUND_SECONDS
     (sized on one call after the ``warmup`` calls). Without ``done`` exactly ``rounds`` are
     timed. With it, rounds go on until every variant has MIN_CALLS calls and ``done(timings)``
     holds, or until ``max_rounds`` are timed or, past ``rounds``, ``budget_seconds`` have
-    passed since timing began."""
+    passed since timing began. ``begin`` is called once the warm-up calls are done, as the
+    rounds start: a first call that compiles (torch.compile's workers are other processes)
+    is not part of what the rounds ran beside."""
     names = list(calls)
     wall = wall_timer(clock)
     timer = {name: (timers or {}).get(name, wall) for name in names}
@@ -125,6 +138,8 @@ def interleaved(calls: dict[str, Callable[[], object]], rounds: int, repeats: in
     # collections between rounds, which would otherwise take 0.6 s each.
     gc.collect()
     gc.freeze()
+    if begin is not None:
+        begin()
     try:
         for r in range(limit):
             gc.collect()

@@ -1,14 +1,18 @@
 """The report: its contract fields, a verdict chosen on validation data, fair timing with
 intervals, causes read from what a variant contains, and plots that are real images."""
+import copy
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from pipeline.config import ReportConfig
 from stages import report
 from stages.report import plots
 from stages.report.markdown import markdown
-from stages.shared import timing
+from stages.shared import contention, timing
 from tests.conftest import ALL_VARIANTS
 
 
@@ -35,6 +39,14 @@ def test_report_json_has_the_contract_fields(tiny_run):
     env = on_disk["environment"]
     assert {"torch", "torchvision", "onnx", "onnxruntime"} <= set(env["versions"])
     assert env["isa"]["aten"] and env["cpu"]["model"] and env["threads"] >= 1
+    conditions = on_disk["timing_conditions"]
+    assert conditions["threads"] == env["threads"] and conditions["cpus"] >= 1
+    [session] = [s for s in conditions["sessions"] if s["device"] == "cpu"]  # one batch size
+    assert session["batch_size"] == 32
+    assert session["others_cores"] >= 0 and 1 <= session["tries"] <= 1 + conditions["retries"]
+    assert on_disk["verdict"]["timing_clean"] == conditions["clean"] == session["clean"]
+    assert on_disk["verdict"]["per_batch_size"]["32"]["timing_clean"] == session["clean"]
+    assert all(m["latency_ms"]["32"]["round_spread"] >= 1.0 for m in on_disk["models"])
 
 
 def test_report_numbers_agree_with_training_and_files(tiny_run):
@@ -378,3 +390,93 @@ def test_accuracy_and_top5_are_counted_on_the_test_split_from_the_variant_itself
         assert row["top5_accuracy"] == pytest.approx(top5 / 360)
         low, high = row["accuracy_ci95"]
         assert low < hits / 360 < high and high - low < 0.1  # Wilson's, on 360 images
+
+
+BURN_ONE_CORE = ("import sys, time\n"
+                 "end = time.monotonic() + float(sys.argv[1])\n"
+                 "print('burning', flush=True)\n"
+                 "while time.monotonic() < end:\n"
+                 "    pass\n")
+
+
+class _Matmul:
+    """A variant as time_variants sees it: a small matmul on the CPU, timed by the host."""
+
+    device, timer = "cpu", "wall"
+
+    def __init__(self, width: int) -> None:
+        self.weight = torch.randn(width, width)
+
+    def call_for(self, batch):
+        return lambda: batch @ self.weight
+
+
+class _Vectors:
+    def input_shape(self, batch_size: int) -> tuple[int, int]:
+        return (batch_size, 64)
+
+
+def test_a_report_timed_beside_a_busy_core_says_so(monkeypatch):
+    """A real process keeps one core busy while the report's timing runs with as many threads
+    as this process has CPUs: the batch size is timed again, still busy, and the verdict, the
+    warnings and report.md say that its figures are not clean."""
+    monkeypatch.setattr(contention, "QUIET_MAX_WAIT", 1.0)  # the burner outlasts it anyway
+    loaded = {"fp32": _Matmul(64), "onnx-fp32": _Matmul(64)}
+    config = ReportConfig(batch_sizes=(32,), warmup=1, rounds=3, max_rounds=3, repeats=7,
+                          quiet=True)
+    threads = len(contention.allowed_cpus())
+    burner = subprocess.Popen([sys.executable, "-c", BURN_ONE_CORE, "10"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert burner.stdout.readline() == "burning\n"
+        timings, conditions = report.time_variants(loaded, _Vectors(), config, threads)
+    finally:
+        burner.kill()
+        burner.wait()
+    [session] = conditions["sessions"]
+    assert session["busy"] and not session["clean"] and not conditions["clean"]
+    assert session["tries"] == 1 + contention.RETRIES
+    assert all(cores > conditions["others_cores_limit"]
+               for cores in session["others_cores_per_try"])
+    rows = [_row(name, [1.0] * 3, 0.0, int8=False) for name in loaded]
+    for row in rows:
+        rounds = [[s * 1000 for s in calls] for calls in timings["32"][row["name"]].rounds]
+        row["latency_ms"]["32"] = timings["32"][row["name"]].summary() | {"rounds_ms": rounds}
+    report.speedups(rows, "fp32")
+    v = contention.mark_verdict(report.verdict(rows, "fp32", 1.0), conditions, "cpu")
+    assert v["timing_clean"] is False and v["per_batch_size"]["32"]["timing_clean"] is False
+    [warning] = contention.warnings(conditions)
+    assert warning.startswith(f"Other processes used {session['others_cores']:.2f} cores on "
+                              "average while the variants were timed at batch 32 on the CPU")
+
+
+def _with_conditions(tiny_run, sessions: list[dict]) -> dict:
+    """tiny_run's report as if its timing had found ``sessions``."""
+    data = copy.deepcopy(tiny_run["report"])
+    data["timing_conditions"] |= {"sessions": sessions,
+                                  "clean": all(s["clean"] for s in sessions)}
+    contention.mark_verdict(data["verdict"], data["timing_conditions"], "cpu")
+    return data
+
+
+def test_report_md_says_plainly_when_its_figures_were_timed_on_a_busy_machine(tiny_run):
+    quiet = tiny_run["report"]["timing_conditions"]["sessions"][0] | {
+        "others_cores": 0.03, "busy": False, "unstable": {}, "clean": True, "tries": 1}
+    text = markdown(_with_conditions(tiny_run, [quiet]))
+    assert "busy machine" not in text and "not clean figures" not in text
+    assert "Other processes used at most 0.03 cores on average while a batch size was timed" \
+        in text and "): clean." in text
+
+    busy = quiet | {"others_cores": 1.02, "busy": True, "clean": False, "tries": 2,
+                    "others_cores_per_try": [1.03, 1.02]}
+    data = _with_conditions(tiny_run, [busy])
+    assert data["verdict"]["timing_clean"] is False
+    text = markdown(data)
+    verdict_text = text.split("## Models")[0]
+    assert "**Timed on a busy machine: these latencies are not clean figures.** Other processes " \
+        "used 1.02 cores on average while the variants were timed at batch 32 on the CPU in " \
+        "each of 2 tries" in verdict_text
+    assert "Measure them again on a quiet machine" in verdict_text
+    data["warnings"] = contention.warnings(data["timing_conditions"])
+    assert "not clean, as the verdict says" in markdown(data)
+    assert "Other processes used 1.02 cores" in report.summary_table(data)

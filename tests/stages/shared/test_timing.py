@@ -173,3 +173,24 @@ def test_gpu_calls_are_timed_by_cuda_events_not_by_the_host_clock():
     assert timings["fp32"].summary()["p50"] == pytest.approx(5.0)
     assert gpu.synchronized == 2 * (1 + 5 * 4)  # every timed call waited for its kernels
     assert timing.speedup(timings["fp32"], timings["fp16"])["ratio"] == pytest.approx(2.5)
+
+
+def test_round_spread_is_the_upper_over_the_lower_quartile_of_the_rounds_medians():
+    steady = timing.Timing([[0.002, 0.003, 0.002]] * 6)
+    assert steady.round_spread() == pytest.approx(1.0)
+    # One slow round of eight moves neither quartile; a quarter of them slow moves the upper.
+    one_slow = timing.Timing([[0.002] * 3] * 7 + [[0.020] * 3])
+    assert one_slow.round_spread() == pytest.approx(1.0)
+    half_slow = timing.Timing([[0.002] * 3, [0.006] * 3] * 4)
+    assert half_slow.round_spread() == pytest.approx(3.0)
+    assert half_slow.summary()["round_spread"] == pytest.approx(3.0)
+    assert timing.Timing([[0.002] * 3]).round_spread() == 1.0  # one round: nothing to compare
+
+
+def test_begin_is_called_after_the_warm_up_calls_and_before_the_first_round():
+    events = []
+    timing.interleaved({"a": lambda: events.append("call")}, rounds=3, repeats=2, warmup=2,
+                       idle=lambda: 0.0, begin=lambda: events.append("begin"))
+    # Two warm-up calls and one to size the rounds, then three rounds of an untimed and two
+    # timed calls.
+    assert events == ["call"] * 3 + ["begin"] + ["call"] * 9
