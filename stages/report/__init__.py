@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from stages import runtimes
-from stages.report import plots
+from stages.report import plots, profile
 from stages.report.markdown import compare_markdown, markdown
 from stages.runtimes import gpu
 from stages.shared import contention, machine, timing
@@ -179,7 +179,21 @@ def measure_variants(run: Run, config, threads: int, scratch: Path) -> tuple[lis
             row["peak_gpu_memory_bytes"] = gpu.peak_memory(loaded[row["name"]].call_for(largest))
     speedups(rows, reference)
     return rows, {"reference": reference, "parity": parity(run, logits),
-                  "unmeasured": unmeasured, "timing_conditions": conditions}
+                  "unmeasured": unmeasured, "timing_conditions": conditions,
+                  "profiles": profiled(loaded, rows, reference, config, splits)}
+
+
+def profiled(loaded: dict, rows: list[dict], reference: str, config, splits) -> dict | None:
+    """Where the time goes (stages/report/profile.py), for the CPU variants the verdict
+    will name, while they are still loaded."""
+    cpu_rows = on_device(rows, "cpu")
+    if not cpu_rows:
+        return None
+    chosen = verdict(cpu_rows, reference, config.max_accuracy_drop)
+    say(f"report: profiling where {chosen['recommended']}'s time goes ...", quiet=config.quiet)
+    batch = timing.random_batch(splits.input_shape(int(chosen["batch_size"])))
+    return profile.measure({name: loaded[name] for name in (r["name"] for r in cpu_rows)},
+                           cpu_rows, chosen, batch)
 
 
 def time_variants(loaded: dict, splits, config, threads: int,
@@ -363,8 +377,14 @@ def diagnose_slow(row: dict) -> str:
             "(quantize/dequantize steps, pooling, normalisation) or to per-call overhead")
 
 
+def _measured_time(profiles: dict | None, name: str, size: str) -> str:
+    top = profile.top_operators(profiles, name) if profiles and str(
+        profiles["batch_size"]) == size else None
+    return f" Measured at batch {size}, its time goes to {top}." if top else ""
+
+
 def warnings_for(rows: list[dict], reference: str, budget_points: float,
-                 training: dict) -> list[str]:
+                 training: dict, profiles: dict | None = None) -> list[str]:
     """Results that defeat their purpose, each with its cause."""
     by_name = {row["name"]: row for row in rows}
     found = []
@@ -377,7 +397,8 @@ def warnings_for(rows: list[dict], reference: str, budget_points: float,
                              f"{ratio['best_float']} at batch {size} "
                              f"({row['latency_ms'][size]['p50']:.2f} ms against "
                              f"{by_name[ratio['best_float']]['latency_ms'][size]['p50']:.2f} ms):"
-                             f" {diagnose_slow(row)}.")
+                             f" {diagnose_slow(row)}." + _measured_time(profiles, row["name"],
+                                                                         size))
         if _worst_drop(row) > budget_points:
             found.append(f"{row['name']} may lose up to {_worst_drop(row):.2f} points of "
                          f"held-out accuracy against {reference} at 95% confidence (measured: "
@@ -471,12 +492,13 @@ def run(config, run: Run) -> dict:
                 gpu_rows, device_reference(rows, reference, "cuda"), config.max_accuracy_drop),
                 conditions, "cuda") | {"device": "cuda"} if gpu_rows else None},
         "warnings": contention.warnings(conditions)
-        + warnings_for(rows, reference, config.max_accuracy_drop, training)
+        + warnings_for(rows, reference, config.max_accuracy_drop, training,
+                       measured["profiles"])
         + parity_warnings(measured["parity"]) + isa_note(environment)
         + [f"{name} (quantize): {why}" for name, why in run.recorded_config(
             "quantize").get("not_kept", {}).items()],
         "parity": measured["parity"], "figures": figures, "environment": environment,
-        "timing_conditions": conditions,
+        "timing_conditions": conditions, "profiles": measured["profiles"],
     }
     atomic_write_json(folder / "report.json", report)
     atomic_write_text(folder / "report.md", markdown(report))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from stages import runtimes
+from stages.report import profile
 from stages.shared import contention, tuning
 from stages.shared.artifacts import Run
 from stages.shared.data import BASELINE_WORDS, SELECTION_WORDS, VALIDATION_WORDS
@@ -295,6 +296,7 @@ def markdown(report: dict) -> str:
     lines += _models_table(report)
     lines += [f"![{title}]({name})" for name, title in report["figures"].items()
               if name != "training-curves.png"] + [""]
+    lines += profile.markdown(report.get("profiles"))
     lines += _quantization(report) + _training(report)
     env = report["environment"]
     lines += ["## Environment", "",

@@ -81,3 +81,35 @@ def test_the_recommendation_and_each_slow_int8_variant_are_profiled_against_floa
     text = "\n".join(profile.markdown(profiles))
     assert "| quantize/dequantize | - | 14.00 | 70% |" in text
     assert "| convolution | 8.00 | 3.00 | 60% |" in text
+
+
+def test_a_slow_int8_warning_names_the_operators_measured_to_take_the_time():
+    from stages import report
+    from tests.stages.test_report import _row
+
+    rows = [_row("fp32", [10.0] * 6, 0.0, int8=False),
+            _row("onnx-fp32", [5.0] * 6, 0.0, int8=False),
+            _row("ort-static", [8.0] * 6, 0.0)]
+    report.speedups(rows, "fp32")
+    profiles = {"batch_size": 32, "variants": {"ort-static": {"calls": 5, "operators": {
+        "DequantizeLinear": 4.0, "QLinearConv": 3.0, "Conv": 1.0}}}, "tables": []}
+    slow = report.warnings_for(rows, "fp32", 1.0, {}, profiles)[0]
+    assert slow.startswith("ort-static is slower than the fastest float variant onnx-fp32")
+    assert slow.endswith(" Measured at batch 32, its time goes to DequantizeLinear 4.00 ms (50%), "
+                         "QLinearConv 3.00 ms (38%), Conv 1.00 ms (12%).")
+    assert "Measured" not in report.warnings_for(rows, "fp32", 1.0, {})[0]  # none profiled
+
+
+def test_the_report_shows_where_the_recommendations_time_goes(tiny_run):
+    data = tiny_run["report"]
+    verdict, profiles = data["verdict"], data["profiles"]
+    recommended = verdict["recommended"]
+    best_float = verdict["per_batch_size"][str(verdict["batch_size"])]["best_float"]
+    assert profiles["batch_size"] == verdict["batch_size"]
+    assert recommended in profiles["variants"] and best_float in profiles["variants"]
+    first = profiles["tables"][0]
+    assert first["variant"] == recommended
+    assert first["float"] == (None if best_float == recommended else best_float)
+    assert sum(row["share"] for row in first["rows"]) == pytest.approx(1.0)
+    text = (tiny_run["run"].root / "report" / "report.md").read_text()
+    assert "## Where the time goes" in text and f"`{recommended}`" in text
