@@ -24,10 +24,7 @@ if TYPE_CHECKING:  # annotations only: numpy is imported where it is used
 def open_run(run=None, artifacts_dir=None):
     """A run folder's path, a run's name, or None for the latest run."""
     from stages.shared.artifacts import open_run as open_named
-    from stages.shared.artifacts import run_at
 
-    if run is not None and (Path(run) / "manifest.json").is_file():
-        return run_at(Path(run))
     folder = artifacts_dir or os.environ.get("PIPELINE_ARTIFACTS_DIR", "artifacts")
     return open_named(Path(folder), None if run is None else os.fspath(run))
 
@@ -88,6 +85,7 @@ def load(run=None, variant: str = "recommended", *, artifacts_dir=None,
     from stages import runtimes
     from stages.shared.data import preprocessing_of_run
 
+    threads = 0 if threads is None else threads
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads={threads!r}: give 0 (as many as the machine has, up to 8) or "
                          "a positive whole number of threads")

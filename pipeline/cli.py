@@ -620,15 +620,12 @@ def _fail_stage_on_sigterm() -> None:
     at once, as the default would: what the first started may be stuck (a thread blocked in a
     read), and `timeout`, systemd and Kubernetes count on SIGTERM working. A status write in
     progress is not cut short: it holds signals back (_status_write) and meets this after."""
-    import os
     import signal
 
-    def stop_now(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-
     def stop(signum, frame):
-        signal.signal(signal.SIGTERM, stop_now)
+        # The default action for the next one, set by the kernel: a Python handler would wait
+        # for the main thread to come back from the C code it may be stuck in.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)

@@ -13,9 +13,10 @@ import os
 import numpy as np
 
 # Preprocessing scales pixels into [0, 1] and normalises them, and bilinear resizing never leaves
-# that range; a margin of this share of it lets through what another resizer (bicubic, antialias)
-# might overshoot, and still refuses raw 0-255 pixels by two orders of magnitude.
-RANGE_MARGIN = 0.1
+# that range; a margin of half of it lets through what another resizer may overshoot (torch's
+# bicubic on a float tensor: 0.41 of the range on a 2x2 dot), and still refuses raw 0-255 pixels
+# by two orders of magnitude.
+RANGE_MARGIN = 0.5
 HOW = "model.preprocess(path_or_image) makes one image, or pass a list of paths"
 
 

@@ -494,7 +494,8 @@ def run(config, run: Run) -> dict:
         "warnings": contention.warnings(conditions)
         + warnings_for(rows, reference, config.max_accuracy_drop, training,
                        measured["profiles"])
-        + parity_warnings(measured["parity"]) + isa_note(environment)
+        + parity_warnings(measured["parity"]) + profile.failures(measured["profiles"])
+        + isa_note(environment)
         + [f"{name} (quantize): {why}" for name, why in run.recorded_config(
             "quantize").get("not_kept", {}).items()],
         "parity": measured["parity"], "figures": figures, "environment": environment,

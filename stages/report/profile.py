@@ -13,11 +13,11 @@ import math
 import re
 
 # The first kind whose pattern matches an operator's name is its kind; order matters
-# (`QLinearConv` is a convolution, `quantize_per_tensor` a quantize step).
+# (`DynamicQuantizeMatMul` is a matrix product, `QuantizeLinear` a quantize step).
 KINDS = (
-    ("quantize/dequantize", r"dequant|quantize(?!d)|fakequant|quantizelinear"),
-    ("convolution", r"conv"),
-    ("matrix product", r"gemm|matmul|linear|addmm|\bmm\b|bmm|fullyconnected"),
+    ("matrix product", r"gemm|matmul|(?<!quantize)linear|addmm|\bmm\b|bmm|fullyconnected"),
+    ("convolution", r"conv(?!ert)"),  # OpenVINO's Convert is a precision conversion
+    ("quantize/dequantize", r"dequant|quantize(?!d)|fakequant|convert"),
     ("pooling", r"pool|reducemean|\bmean\b|reduce"),
     ("layout (reorder, copy, reshape)", r"reorder|transpose|reshape|view|copy|contiguous|permute"
                                         r"|concat|\bcat\b|flatten|empty|as_strided|layout"),
@@ -73,13 +73,18 @@ def measure(loaded: dict, rows: list[dict], verdict: dict, batch) -> dict | None
         if profile is None:
             continue
         calls = calls_for(by_name[name]["latency_ms"][size]["p50"])
-        operators = profile(batch, calls)
+        try:
+            operators = profile(batch, calls)
+        except Exception as exc:  # a profiler that fails costs its table, not the report
+            variants[name] = {"calls": calls, "operators": {}, "error": " ".join(
+                f"{type(exc).__name__}: {exc}".split())[:300]}
+            continue
         variants[name] = {"calls": calls, "operators": dict(sorted(
             operators.items(), key=lambda item: -item[1]))}
     if not variants:
         return None
     tables = [table(name, best_float, variants) for name, best_float in pairs
-              if name in variants]
+              if variants.get(name, {}).get("operators")]
     return {"batch_size": int(size), "variants": variants, "tables": tables}
 
 
@@ -101,6 +106,12 @@ def table(name: str, best_float: str | None, variants: dict) -> dict:
             "rows": [{"kind": kind, "float_ms": theirs.get(kind) if theirs else None,
                       "ms": mine.get(kind, 0.0), "share": mine.get(kind, 0.0) / total}
                      for kind in kinds]}
+
+
+def failures(profiles: dict | None) -> list[str]:
+    """A warning for each variant whose profiler failed."""
+    return [f"{name} could not be profiled per operator ({v['error']}); its latency stands."
+            for name, v in (profiles or {}).get("variants", {}).items() if v.get("error")]
 
 
 def top_operators(profiles: dict | None, name: str) -> str | None:

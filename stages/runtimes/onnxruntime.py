@@ -41,8 +41,10 @@ def _session_options(threads: int):
     return options
 
 
-def ort_session(path: Path, threads: int, disabled_optimizers: tuple[str, ...] = ()):
-    """A CPU InferenceSession with a fixed thread count, like torch.set_num_threads."""
+def ort_session(path: Path, threads: int, disabled_optimizers: tuple[str, ...] = (),
+                profile_prefix: str | None = None):
+    """A CPU InferenceSession with a fixed thread count, like torch.set_num_threads; with
+    ``profile_prefix``, one that profiles its runs into a file of that prefix."""
     import onnxruntime as ort
 
     try:
@@ -53,6 +55,9 @@ def ort_session(path: Path, threads: int, disabled_optimizers: tuple[str, ...] =
         raise PipelineError(f"{path} is not a readable ONNX model: "
                             f"{str(exc).strip().splitlines()[0][:200]}") from exc
     options = _session_options(threads)
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
     try:
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"],
                                     disabled_optimizers=list(disabled_optimizers))
@@ -363,4 +368,5 @@ def load(run, name: str, threads: int) -> Loaded:
                   lambda batch: ort_call(session, batch), onnx_op_counts(path),
                   f"ONNX Runtime {onnxruntime.__version__}" + (f", {kind}" if kind else ""),
                   profile=lambda batch, calls: profilers.onnxruntime_profile(
-                      path, _session_options(threads), batch, calls))
+                      lambda prefix: ort_session(path, threads, profile_prefix=prefix), batch,
+                      calls))

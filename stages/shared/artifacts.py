@@ -619,7 +619,7 @@ def _looks_like_a_path(name: str) -> bool:
 def run_at(folder: Path) -> Run:
     """The run in ``folder``, wherever it is: in an artifacts folder's runs/ (whose `latest`
     it then shares) or copied anywhere."""
-    folder = Path(folder).expanduser().absolute()
+    folder = Path(os.path.abspath(Path(folder).expanduser()))  # '..' resolved: a run's name
     if not (folder / "manifest.json").is_file():
         raise UsageError(f"{folder} is not a run folder (it has no manifest.json); give a run's "
                          "name or the path of its folder")

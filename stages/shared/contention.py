@@ -64,13 +64,16 @@ def proc_stat_seconds(cpus: Iterable[int], path: str = "/proc/stat"
     except OSError:
         return None
     wanted = {f"cpu{cpu}" for cpu in cpus}
-    busy = steal = 0
+    busy = steal = found = 0
     for line in text.splitlines():
-        name, *fields = line.split()
+        name, *fields = line.split() or [""]
         if name in wanted:
             ticks = [int(f) for f in fields]
             busy += sum(ticks[i] for i in BUSY_FIELDS)
             steal += ticks[STEAL_FIELD] if len(ticks) > STEAL_FIELD else 0
+            found += 1
+    if not found:  # CPUs numbered otherwise than the affinity mask (lxcfs): unknown, not idle
+        return None
     tick = os.sysconf("SC_CLK_TCK")
     return busy / tick, steal / tick
 

@@ -67,23 +67,25 @@ class Unreadable(ValueError):
 
 
 def read_image(path) -> Image.Image:
-    """The image in ``path``, decoded, from a regular file alone: opening a FIFO waits for a
-    writer forever, and a device never ends. Pillow's guard against decompression bombs refuses
-    (it would otherwise warn on stderr and go on) what is over its pixel limit."""
+    """The image in ``path`` (or an open binary file), decoded, from a regular file alone:
+    opening a FIFO waits for a writer forever, and a device never ends. What is over Pillow's
+    pixel limit is refused, not warned about on stderr and decoded anyway."""
+    # Pillow's warning as the error it warns of, for the whole process: decoding runs in a
+    # worker thread, where catch_warnings (which swaps the process's filter list) would race
+    # with the main thread's own.
+    warnings.filterwarnings("error", category=Image.DecompressionBombWarning)
     try:
+        if hasattr(path, "read"):
+            return _loaded(path)
         info = os.stat(path)
         kind = next((name for test, name in FILE_KINDS if test(info.st_mode)), "not a file")
         if not stat.S_ISREG(info.st_mode):
             raise Unreadable(f"it is {kind}, not a regular file, so it was not opened")
         # O_NONBLOCK: should the path become a FIFO after the check, open still returns.
-        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
+        with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as file:
             if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
                 raise Unreadable("it is not a regular file, so it was not read")
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", Image.DecompressionBombWarning)
-                with Image.open(file) as opened:
-                    opened.load()
-                    return opened.copy()
+            return _loaded(file)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise Unreadable(f"it has more pixels than Pillow's limit of {Image.MAX_IMAGE_PIXELS:,} "
                          "(its guard against decompression bombs); scale it down first") from None
@@ -93,6 +95,12 @@ def read_image(path) -> Image.Image:
         raise Unreadable("no such file (removed, or a link to nothing)") from None
     except Image.UnidentifiedImageError:
         raise Unreadable("not an image file Pillow can read") from None
+
+
+def _loaded(file) -> Image.Image:
+    with Image.open(file) as opened:
+        opened.load()
+        return opened.copy()
 
 
 def decode(image, spec: dict) -> np.ndarray:
@@ -131,11 +139,13 @@ def preprocess(image, spec: dict) -> np.ndarray:
 def image_files(paths) -> tuple[list[Path], list[Path]]:
     """(files, empty folders): paths given as they are, and everything in a folder that is
     not a folder itself, whatever its name: Pillow knows an image by its content (a .gif, a
-    file with no extension), and what it cannot read is named as skipped, never dropped."""
+    file with no extension), and what it cannot read is named as skipped, never dropped.
+    Hidden files and folders (.DS_Store, .git/) are left out of a folder, as ls leaves them."""
     files, empty = [], []
     for path in map(Path, paths):
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if not p.is_dir())
+            found = sorted(p for p in path.rglob("*") if not p.is_dir() and not any(
+                part.startswith(".") for part in p.relative_to(path).parts))
             files += found
             if not found:
                 empty.append(path)
@@ -253,8 +263,11 @@ def verify_folder(folder: Path) -> str | None:
     try:
         files = json.loads((folder / "manifest.json").read_text())["files"]
         for name, record in files.items():
-            digest = hashlib.sha256((folder / Path(name).name).read_bytes()).hexdigest()
-            if digest != record["sha256"]:
+            digest = hashlib.sha256()
+            with open(folder / Path(name).name, "rb") as file:
+                for block in iter(lambda: file.read(1 << 20), b""):
+                    digest.update(block)
+            if digest.hexdigest() != record["sha256"]:
                 return (f"{name} does not match its sha256 in manifest.json (changed or "
                         "truncated since export); export the variant again")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:

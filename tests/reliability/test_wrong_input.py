@@ -193,6 +193,9 @@ def test_every_file_of_a_folder_is_predicted_or_named(tiny_run, tmp_path):
     _digit(folder / "anim.gif")
     _digit(folder / "sub" / "noextension", fmt="PNG")
     (folder / "notes.txt").write_text("not an image")
+    (folder / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")  # hidden: left out, as ls does
+    (folder / ".git").mkdir()
+    (folder / ".git" / "HEAD").write_text("ref: refs/heads/main")
     result = _invoke("--artifacts-dir", str(run.artifacts_dir), "predict", str(folder),
                      "--variant", "ort-static")
     assert result.exit_code == 1
@@ -202,6 +205,7 @@ def test_every_file_of_a_folder_is_predicted_or_named(tiny_run, tmp_path):
             in result.stderr)
     assert result.stderr.strip().endswith("1 of 4 file(s) could not be predicted and were "
                                           "skipped (named above)")
+    assert ".DS_Store" not in result.stderr and ".git" not in result.stderr
 
 
 def test_unreadable_files_say_why(tmp_path, monkeypatch, recwarn):

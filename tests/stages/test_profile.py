@@ -20,6 +20,8 @@ from tests.conftest import FROM_QUANTIZE
                                                                           "copy, reshape)"),
     ("## Call CompiledFxGraph None ##", "compiled graph's own code"),
     ("Subgraph", "compiled graph's own code"), ("ShapeOf", "other"),
+    ("Convert (U8)", "quantize/dequantize"), ("DynamicQuantizeMatMul", "matrix product"),
+    ("MatMulInteger", "matrix product"),
 ])
 def test_operators_of_every_runtime_group_into_the_same_kinds(operator, kind):
     assert profile.kind_of(operator) == kind
@@ -113,3 +115,25 @@ def test_the_report_shows_where_the_recommendations_time_goes(tiny_run):
     assert sum(row["share"] for row in first["rows"]) == pytest.approx(1.0)
     text = (tiny_run["run"].root / "report" / "report.md").read_text()
     assert "## Where the time goes" in text and f"`{recommended}`" in text
+
+
+def test_a_profiler_that_fails_costs_its_table_not_the_report():
+    rows = [_row("onnx-fp32", False, 10.0, 1.0, "onnx-fp32"),
+            _row("ort-static", True, 5.0, 2.0, "onnx-fp32")]
+    verdict = {"recommended": "ort-static", "batch_size": 32,
+               "per_batch_size": {"32": {"best_float": "onnx-fp32"}}}
+
+    class Broken:
+        def profile(self, batch, calls):
+            raise RuntimeError("profiler\nunavailable")
+
+    class Working:
+        def profile(self, batch, calls):
+            return {"Conv": 4.0}
+
+    profiles = profile.measure({"onnx-fp32": Working(), "ort-static": Broken()}, rows, verdict,
+                               batch=None)
+    assert profiles["tables"] == []  # ort-static's own table cannot be made
+    assert profile.failures(profiles) == [
+        "ort-static could not be profiled per operator (RuntimeError: profiler unavailable); "
+        "its latency stands."]
