@@ -298,7 +298,12 @@ def _common(ctx: click.Context, flags: dict, *keys: str) -> dict:
 @click.option("--resume", is_flag=True, help="Continue the latest run (or --run NAME) from its "
               "newest good checkpoint, with the configuration it was started with.")
 @_data_options
-@click.option("--epochs", type=int, help="[default: 5]")
+@click.option("--epochs", type=int, help="Epochs at most.  [default: 5]")
+@click.option("--time", metavar="DURATION", help="Training time (90s, 10m, 1h) shared by the "
+              "models trained: after each epoch the epochs that fit at the pace so far are "
+              "planned again, the learning-rate schedule with them.  [default: no limit]")
+@click.option("--patience", type=int, metavar="EPOCHS", help="Stop once validation accuracy has "
+              "not improved for this many epochs; the best epoch is kept.  [default: 5]")
 @click.option("--batch-size", type=int, help="[default: 64]")
 @click.option("--lr", type=float, help="Peak learning rate of SGD (cosine, warm-up).  "
               "[default: 0.02]")

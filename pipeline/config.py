@@ -112,7 +112,9 @@ class TrainConfig:
     val_fraction: float = 0.1
     image_size: int = 32
     in_channels: int | None = None  # None: the data's own (1 for grey, 3 for colour)
-    epochs: int = 5
+    epochs: int = 5  # at most; --time and --patience may stop sooner
+    time: float | None = None  # seconds of training, shared by the models trained; None: no limit
+    patience: int = 5  # epochs without a better validation accuracy before training stops
     batch_size: int = 64
     lr: float = 0.02
     weight_decay: float = 5e-4
@@ -135,6 +137,7 @@ class TrainConfig:
     quiet: bool = False
 
     def __post_init__(self) -> None:
+        _tuning_time(self, "time")  # '10m' as seconds, before the types are checked
         _check_types(self)
         _check_data_flags(self)
         if self.init_weights and self.weights:
@@ -150,6 +153,7 @@ class TrainConfig:
         _choice("--precision", self.precision, PRECISIONS)
         _choice("--device", self.device, DEVICES)
         _at_least("--epochs", self.epochs, 1)
+        _at_least("--patience", self.patience, 1)
         _at_least("--batch-size", self.batch_size, 1)
         if not self.lr > 0:
             raise ValueError(f"--lr must be greater than 0, got {self.lr}")
@@ -266,19 +270,22 @@ class QuantizeConfig:
 
 
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
-DURATION_FIELDS = ("tuning_time",)
+DURATION_FIELDS = ("tuning_time", "time")
 
 
-def _tuning_time(config) -> None:
-    """--tuning-time as seconds: a duration such as '5m' parsed, anything else refused."""
-    if isinstance(config.tuning_time, str):
-        config.tuning_time = parse_duration("--tuning-time", config.tuning_time)
-    if config.tuning_time is None:
+def _tuning_time(config, field: str = "tuning_time") -> None:
+    """A duration field (--tuning-time, --time) as seconds: a duration such as '5m' parsed,
+    anything else refused."""
+    flag, value = f"--{field.replace('_', '-')}", getattr(config, field)
+    if isinstance(value, str):
+        value = parse_duration(flag, value)
+        setattr(config, field, value)
+    if value is None:
         return
-    if isinstance(config.tuning_time, bool) or not isinstance(config.tuning_time, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return  # _check_types names the type
-    if not config.tuning_time > 0:
-        raise ValueError(f"--tuning-time must be a positive duration, got {config.tuning_time}")
+    if not value > 0:
+        raise ValueError(f"{flag} must be a positive duration, got {value}")
 
 
 def parse_duration(flag: str, text: str) -> float:

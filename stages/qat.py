@@ -35,7 +35,7 @@ from stages.shared.precision import (
     seed_everything,
 )
 from stages.shared.progress import progress, say
-from stages.shared.training import DeviceSums, Parts, lr_schedule, train_step
+from stages.shared.training import CosineSchedule, DeviceSums, Parts, decay_groups, train_step
 
 
 def switch_off_stochastic_depth(model) -> list[str]:
@@ -112,11 +112,10 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
     choosing = torch.utils.data.Subset(splits.val, validation_halves(len(splits.val))[0])
     sampler = EpochSampler(len(splits.train), config.seed)
     loader = make_loader(splits.train, config.batch_size, sampler)
-    optimizer = torch.optim.SGD(prepared.parameters(), lr=config.lr, momentum=0.9,
-                                weight_decay=5e-4)
+    optimizer = torch.optim.SGD(decay_groups(prepared, 5e-4), lr=config.lr, momentum=0.9)
     plan = Plan(config.epochs, config.freeze_bn_after, config.freeze_observers_after)
-    schedule = [lr_schedule(plan.epochs * len(loader), 0)]  # replaced where the epochs are cut
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule[0](step))
+    schedule = CosineSchedule(plan.epochs * len(loader), 0)  # re-planned where epochs are cut
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     precision = _precision(config)
     parts = Parts(prepared, prepared, optimizer, scheduler, grad_scaler(precision, device),
                   torch.nn.CrossEntropyLoss(), sampler, loader, [])
@@ -170,7 +169,7 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
         cut = fitted_plan(config, epoch, history[-1]["seconds"])
         if cut.epochs < plan.epochs:
             plan = cut
-            schedule[0] = lr_schedule(plan.epochs * len(loader), 0)
+            schedule.total_steps = plan.epochs * len(loader)
             say(f"qat: --tuning-time {config.tuning_time:g}s fits {plan.epochs} of "
                 f"{config.epochs} epochs at {history[-1]['seconds'] / epoch:.0f} s each; "
                 f"BatchNorm frozen after {plan.freeze_bn_after}, ranges after "

@@ -90,6 +90,8 @@ class TrainResult:
     isa: dict | None = None
     val_at_chance: bool = False
     skipped_images: int = 0
+    epochs_run: int = 0
+    stopped: str = ""  # why training ended: at --epochs, on a plateau, or at the --time plan
 
 
 def _stop_workers(data_iterator) -> None:
@@ -189,11 +191,18 @@ class Loop:
                                                "global_step": 0})
     sums: dict = field(default_factory=lambda: {"loss": 0.0, "correct": 0, "seen": 0})
     totals: dict = field(default_factory=lambda: {"skipped": 0, "seconds": 0.0, "samples": 0,
-                                                  "best_val": -1.0, "best_epoch": 0})
+                                                  "best_val": -1.0, "best_epoch": 0,
+                                                  "wall": 0.0, "planned_epochs": None,
+                                                  "stopped": ""})
     history: list = field(default_factory=list)
     best: dict | None = None  # weights of the epoch with the best validation accuracy
     resumed_from: str | None = None
     in_a_row: object = None  # GradScaler's skips in a row, carried across epochs
+
+    @property
+    def planned_epochs(self) -> int:
+        """The epochs this model trains for: --epochs, or fewer where --time cut them."""
+        return self.totals["planned_epochs"] or self.config.epochs
 
     @property
     def quiet(self) -> bool:
@@ -267,7 +276,7 @@ def _train_epoch(loop: Loop, epoch: int) -> dict:
     parts.trained.train()
     parts.sampler.set_epoch(epoch, start=pos["step_in_epoch"] * config.batch_size)
     data_iterator = iter(parts.loader)
-    bar = progress(data_iterator, desc=f"{loop.variant} {epoch}/{config.epochs}",
+    bar = progress(data_iterator, desc=f"{loop.variant} {epoch}/{loop.planned_epochs}",
                    quiet=loop.quiet, total=steps_per_epoch)
     device_sums = DeviceSums(device, loop.in_a_row)
     epoch_start = pos["global_step"] - pos["step_in_epoch"]
@@ -328,12 +337,16 @@ def _end_epoch(loop: Loop, epoch: int, seen: dict, chance: float) -> None:
     if improved:
         loop.totals.update(best_val=val_acc, best_epoch=epoch)
         loop.best = cpu_state_dict(model, clone=True)
+    patience = getattr(config, "patience", None)
+    if patience and not loop.totals["stopped"] and epoch - loop.totals["best_epoch"] >= patience:
+        loop.totals["stopped"] = (f"plateau: validation accuracy did not improve for {patience} "
+                                  f"epochs after epoch {loop.totals['best_epoch']}")
     loop.sums = {"loss": 0.0, "correct": 0, "seen": 0}
     if distributed.current().is_main:
         atomic_write_text(loop.folder / "metrics.jsonl",
                           "".join(json.dumps(h) + "\n" for h in loop.history))
         loop.checkpointer.save(loop.state(), best=improved)
-    say(f"{loop.variant} epoch {epoch}/{config.epochs}: loss {record['loss']:.4f} "
+    say(f"{loop.variant} epoch {epoch}/{loop.planned_epochs}: loss {record['loss']:.4f} "
         f"train acc {record['train_accuracy']:.3f} val acc {val_acc:.3f}", quiet=loop.quiet)
     if _at_chance(record["train_accuracy"], val_acc, chance, len(splits.val)):
         say(f"WARNING: {loop.variant} learns the training images "
@@ -368,6 +381,7 @@ def _finish(loop: Loop, memory, chance: float) -> TrainResult:
         skipped_steps=totals["skipped"],
         optimizer_steps=loop.pos["global_step"] - totals["skipped"], final_loss=last["loss"],
         epochs=config.epochs, resumed_from=loop.resumed_from,
+        epochs_run=len(loop.history), stopped=totals["stopped"],
         isa=isa() if not on_cuda else None,
         val_at_chance=_at_chance(best_record.get("train_accuracy", 0.0), totals["best_val"],
                                  chance, len(splits.val)),
@@ -396,20 +410,52 @@ def _finish(loop: Loop, memory, chance: float) -> TrainResult:
 
 
 def train_variant(variant: str, precision: Precision, splits: DataSplits, config, run: Run,
-                  device, resume: bool = False, baseline_finite: bool = False) -> TrainResult:
-    """Train one model (or continue it) and write checkpoints, metrics.jsonl and model.pt."""
+                  device, resume: bool = False, baseline_finite: bool = False,
+                  budget: float | None = None) -> TrainResult:
+    """Train one model (or continue it) and write checkpoints, metrics.jsonl and model.pt.
+    It ends at --epochs, once validation accuracy has not improved for --patience epochs, or
+    at the epochs that fit ``budget`` seconds at the pace measured so far."""
     loop = _start(variant, precision, splits, config, run, device, resume, baseline_finite)
     chance = _chance(splits.val)
     steps_per_epoch = len(loop.parts.loader)
     memory = PeakMemory(device) if device.type == "cuda" else contextlib.nullcontext()
     with memory:
-        while loop.pos["epoch"] <= config.epochs:
+        while loop.pos["epoch"] <= loop.planned_epochs and not loop.totals["stopped"]:
             epoch = loop.pos["epoch"]
+            started = time.perf_counter()
             if loop.pos["step_in_epoch"] < steps_per_epoch:  # not resumed at its very end
                 seen = _train_epoch(loop, epoch)
+                loop.totals["wall"] += time.perf_counter() - started
+                loop.totals["stopped"] = planned_end(loop, epoch, budget)
+                started = time.perf_counter()
                 _end_epoch(loop, epoch, seen, chance)
+                loop.totals["wall"] += time.perf_counter() - started  # scoring, checkpoints
             loop.pos.update(epoch=epoch + 1, step_in_epoch=0)
     return _finish(loop, memory, chance)
+
+
+def planned_end(loop: Loop, epoch: int, budget: float | None) -> str:
+    """After ``epoch``'s steps (before its checkpoint, which then holds the plan): why
+    training ends with this epoch, or "" to go on. Under a budget the epochs that fit at the
+    pace so far (steps, scoring and checkpoints) are planned again, and the schedule's cosine
+    is cut to end with them: never past --epochs, never before the epochs done, never longer
+    than planned before (a schedule stretched again would raise the learning rate)."""
+    config, totals = loop.config, loop.totals
+    planned = totals["planned_epochs"] or config.epochs
+    if budget is not None:
+        fits = max(epoch, min(config.epochs, int(budget * epoch / max(totals["wall"], 1e-9))))
+        if fits < planned:
+            planned = totals["planned_epochs"] = fits
+            loop.parts.scheduler.lr_lambdas[0].total_steps = fits * len(loop.parts.loader)
+            say(f"{loop.variant}: --time {budget:.0f}s for this model fits {fits} of "
+                f"{config.epochs} epochs at {totals['wall'] / epoch:.1f} s each; the "
+                "learning-rate schedule ends with them", quiet=loop.quiet)
+    if epoch < planned:
+        return ""
+    if planned < config.epochs:
+        return (f"time: {planned} epoch{'s' * (planned != 1)} fit --time ({budget:.0f} s for "
+                "this model)")
+    return f"epochs: all {config.epochs} of --epochs ran"
 
 
 def preflight(config) -> None:
@@ -458,6 +504,9 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
     trained_baseline = config.baseline and not baseline_is_amp
     variants = ([("fp32", Precision("fp32"))] if trained_baseline else []) + [("amp", precision)]
     results = []
+    # --time is shared by the models still to train, not spent twice.
+    to_train = [name for name, _ in variants if not (resume and name in run.artifacts())]
+    budget = config.time / max(1, len(to_train)) if config.time else None
     deterministic_before = torch.are_deterministic_algorithms_enabled()
     set_deterministic(config.deterministic or deterministic_before, device)
     try:
@@ -470,14 +519,15 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
                 continue
             baseline_finite = any(r.variant == "fp32" for r in results)
             results.append(train_variant(name, prec, splits, config, run, device, resume,
-                                         baseline_finite))
+                                         baseline_finite, budget))
     finally:  # later stages in the same chain may use ops with no deterministic kernel
         torch.use_deterministic_algorithms(deterministic_before)
     if baseline_is_amp:
         results.insert(0, _baseline_from_amp(results[-1], run, config, world.is_main))
     for result in results:
         say(f"trained {result.variant} ({result.precision}): test accuracy "
-            f"{result.test_accuracy:.4f} (epoch {result.best_epoch}, chosen on validation), "
+            f"{result.test_accuracy:.4f} (epoch {result.best_epoch}, chosen on validation; "
+            f"stopped: {result.stopped or 'resumed at its end'}), "
             f"{result.samples_per_second:.0f} samples/s, {result.skipped_steps} skipped steps",
             quiet=not world.is_main)
     return results

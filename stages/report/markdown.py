@@ -248,11 +248,15 @@ def _training(report: dict) -> list[str]:
     if not training:
         return []
     lines = ["## Training", "", amp_sentence(training, report["models"]), "",
-             "| model | precision | device | seconds | samples/s | peak memory (MB) | "
-             "checkpoint (MB) | model.pt (MB) | model.pt is | test accuracy | skipped steps |",
-             "|" + "---|" * 11]
+             "| model | precision | device | epochs (why it stopped) | seconds | samples/s | "
+             "peak memory (MB) | checkpoint (MB) | model.pt (MB) | model.pt is | test accuracy | "
+             "skipped steps |",
+             "|" + "---|" * 12]
     for name, t in training.items():
-        lines.append(f"| `{name}` | {t['precision']} | {t['device']} | {t['seconds']:.1f} | "
+        epochs = (f"{t['epochs_run']} ({t['stopped']})" if t.get("stopped")
+                  else str(t.get("epochs_run") or t.get("epochs") or "-"))
+        lines.append(f"| `{name}` | {t['precision']} | {t['device']} | {epochs} | "
+                     f"{t['seconds']:.1f} | "
                      f"{t['samples_per_second']:.0f} | {t['peak_memory_bytes'] / 1e6:.0f} | "
                      f"{t['checkpoint_bytes'] / 1e6:.2f} | {t['model_bytes'] / 1e6:.2f} | "
                      f"{t.get('chosen') or '-'} | {t['test_accuracy']:.2%} | "

@@ -18,14 +18,31 @@ from stages.shared.precision import Precision, autocast, grad_scaler, seed_every
 from stages.shared.weights import initial_weights
 
 
-def lr_schedule(total_steps: int, warmup_steps: int):
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        done = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+class CosineSchedule:
+    """Linear warm-up, then cosine decay to zero at ``total_steps``: LambdaLR's factor. An
+    object rather than a closure, so that a time budget can re-plan ``total_steps`` after an
+    epoch (train --time) and LambdaLR's state_dict saves it for a resume."""
+
+    def __init__(self, total_steps: int, warmup_steps: int) -> None:
+        self.total_steps, self.warmup_steps = total_steps, warmup_steps
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        done = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, done)))
 
-    return factor
+
+def decay_groups(model, weight_decay: float) -> list[dict]:
+    """Parameter groups with weight decay on weight matrices and kernels alone: decaying
+    BatchNorm's scales and shifts and the biases pulls them toward zero for no regularising
+    gain, which depthwise stacks (a BatchNorm after every convolution) feel most."""
+    decayed, exempt = [], []
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            (exempt if parameter.ndim <= 1 else decayed).append(parameter)
+    return [{"params": decayed, "weight_decay": weight_decay},
+            {"params": exempt, "weight_decay": 0.0}]
 
 
 @dataclass
@@ -63,12 +80,12 @@ def build_parts(config, splits: DataSplits, precision: Precision, device) -> Par
                          pin_memory=device.type == "cuda",
                          timeout=getattr(config, "loader_timeout", 0) if config.workers else 0)
     # Fused SGD lets GradScaler skip a step on the GPU without asking the host first.
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9, nesterov=True,
-                                weight_decay=config.weight_decay,
+    optimizer = torch.optim.SGD(decay_groups(model, config.weight_decay), lr=config.lr,
+                                momentum=0.9, nesterov=True,
                                 fused=True if device.type == "cuda" else None)
     total_steps = config.epochs * len(loader)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_schedule(total_steps, min(len(loader), max(total_steps // 10, 1))))
+        optimizer, CosineSchedule(total_steps, min(len(loader), max(total_steps // 10, 1))))
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
     return Parts(model, trained, optimizer, scheduler, grad_scaler(precision, device), criterion,
                  sampler, loader, notes)

@@ -154,3 +154,76 @@ def test_batchnorm_statistics_are_recomputed_from_training_images():
     assert torch.allclose(model[1].running_mean, conv.mean(dim=(0, 2, 3)), atol=5e-3)
     assert torch.allclose(model[1].running_var, conv.var(dim=(0, 2, 3)), rtol=0.1)
     assert model[1].momentum == 0.01 and model.training
+
+
+def test_a_plateau_stops_training_and_keeps_the_best_epoch(tmp_path, monkeypatch):
+    """Validation best at epoch 1, then worse: with --patience 2 training ends after epoch 3
+    of 6, says why, and model.pt is epoch 1's."""
+    run = artifacts.create_run(tmp_path, "plateau")
+    scores = iter([0.9, 0.5, 0.4, 0.95, 0.95, 0.95])
+    real, splits_val = train.dataset_accuracy, []
+    monkeypatch.setattr(train, "dataset_accuracy", lambda model, dataset, device=None:
+                        next(scores) if dataset is splits_val[0] else real(model, dataset, device))
+    real_load = train.load_splits
+
+    def load(config):
+        splits = real_load(config)
+        splits_val.append(splits.val)
+        return splits
+
+    monkeypatch.setattr(train, "load_splits", load)
+    (result,) = train.run(TrainConfig(**TINY_TRAIN | {"epochs": 6, "patience": 2,
+                                                       "baseline": False}), run)
+    assert result.epochs_run == 3 and result.best_epoch == 1
+    assert result.stopped == "plateau: validation accuracy did not improve for 2 epochs after epoch 1"
+    assert run.entry("amp")["training"]["stopped"] == result.stopped
+    history = [json.loads(line) for line in
+               run.verified_path("amp/metrics").read_text().splitlines()]
+    assert [h["epoch"] for h in history] == [1, 2, 3]
+
+
+def test_a_time_budget_plans_the_epochs_that_fit_and_ends_the_schedule_with_them(tmp_path):
+    """--time far under one epoch's pace: the first epoch is timed, one epoch is all that
+    fits, and the cosine schedule is cut to end with it (the learning rate reaches zero)."""
+    run = artifacts.create_run(tmp_path, "budget")
+    (result,) = train.run(TrainConfig(**TINY_TRAIN | {"epochs": 4, "time": "0.001s",
+                                                       "baseline": False}), run)
+    assert result.epochs_run == 1 and result.epochs == 4
+    assert result.stopped == "time: 1 epoch fit --time (0 s for this model)"
+    last = artifacts.load_checkpoint(run.verified_path("amp/checkpoint-last"))
+    steps = last["position"]["global_step"]
+    assert last["scheduler"]["lr_lambdas"][0]["total_steps"] == steps  # cut from 4 epochs
+    assert last["totals"]["planned_epochs"] == 1
+    # Without a budget the same run goes on for every epoch asked.
+    full = artifacts.create_run(tmp_path, "full")
+    (alone,) = train.run(TrainConfig(**TINY_TRAIN | {"epochs": 2, "baseline": False}), full)
+    assert alone.epochs_run == 2 and alone.stopped == "epochs: all 2 of --epochs ran"
+
+
+def test_batchnorm_and_biases_get_no_weight_decay():
+    from stages.shared.models import build_model
+    from stages.shared.training import decay_groups
+
+    model = build_model("smallcnn", 10, 1, 8)
+    decayed, exempt = decay_groups(model, 5e-4)
+    assert decayed["weight_decay"] == 5e-4 and exempt["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.ndim > 1 for p in decayed["params"]) and decayed["params"]
+    assert {names[id(p)].rsplit(".", 1)[-1] for p in exempt["params"]} == {"weight", "bias"}
+    assert all(p.ndim == 1 for p in exempt["params"])
+    assert len(decayed["params"]) + len(exempt["params"]) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--patience", "0"], "--patience must be at least 1, got 0"),
+    (["--time", "soon"], "--time 'soon' is not a duration; give one such as 90s, 5m or 1h"),
+    (["--time", "-5m"], "--time '-5m' is not a duration"),
+])
+def test_bad_training_plans_are_refused_naming_the_flag(tmp_path, flags, message):
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "train", *flags])
+    assert result.exit_code == 2 and message in result.stderr
+    assert not (tmp_path / "runs").exists()  # refused before a run folder is made
