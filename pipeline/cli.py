@@ -305,8 +305,8 @@ def _common(ctx: click.Context, flags: dict, *keys: str) -> dict:
 @click.option("--patience", type=int, metavar="EPOCHS", help="Stop once validation accuracy has "
               "not improved for this many epochs; the best epoch is kept.  [default: 5]")
 @click.option("--batch-size", type=int, help="[default: 64]")
-@click.option("--lr", type=float, help="Peak learning rate of SGD (cosine, warm-up).  "
-              "[default: 0.02]")
+@click.option("--lr", metavar="LR|auto", help="Peak learning rate of SGD (cosine, warm-up); "
+              "auto: found by a learning-rate range test of up to 100 steps.  [default: 0.02]")
 @click.option("--weight-decay", type=float, help="[default: 5e-4]")
 @click.option("--label-smoothing", type=float, help="[default: 0]")
 @click.option("--grad-clip", type=float, help="Max gradient norm, 0 for none (clips after "

@@ -7,6 +7,7 @@ it only when a config is built for a real run.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,7 +117,7 @@ class TrainConfig:
     time: float | None = None  # seconds of training, shared by the models trained; None: no limit
     patience: int = 5  # epochs without a better validation accuracy before training stops
     batch_size: int = 64
-    lr: float = 0.02
+    lr: float | str = 0.02  # the schedule's peak, or "auto": found by a range test (lr_range.py)
     weight_decay: float = 5e-4
     label_smoothing: float = 0.0
     grad_clip: float = 0.0
@@ -155,8 +156,7 @@ class TrainConfig:
         _at_least("--epochs", self.epochs, 1)
         _at_least("--patience", self.patience, 1)
         _at_least("--batch-size", self.batch_size, 1)
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be greater than 0, got {self.lr}")
+        self.lr = _learning_rate(self.lr)
         _at_least("--weight-decay", self.weight_decay, 0.0)
         _at_least("--grad-clip", self.grad_clip, 0.0)
         if not 0.0 <= self.label_smoothing < 1.0:
@@ -267,6 +267,19 @@ class QuantizeConfig:
             raise ValueError(
                 f"--equalize applies to {' and '.join(EQUALIZED_METHODS)} only, and --methods "
                 f"{','.join(self.methods)} has neither; add one of them or drop --equalize")
+
+
+def _learning_rate(value: Any) -> float | str:
+    """--lr: a positive number, or "auto" for a range test."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    if not number > 0 or number == math.inf:
+        raise ValueError(f"--lr must be a positive number or auto, got {value!r}")
+    return number
 
 
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}

@@ -19,10 +19,10 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from stages.shared import batchnorm, distributed, signals
+from stages.shared import batchnorm, distributed, lr_range, signals
 from stages.shared.artifacts import (
     Run,
     atomic_torch_save,
@@ -493,10 +493,13 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
     check_model_fits(config.model, classes, channels, config.image_size, config.batch_size,
                      device, held)
     splits = load_splits(config)
+    asked = config
+    config = replace(config, lr=_peak_lr(config, splits, precision, device, run, saved))
     if world.is_main:
-        run.record_config("train", asdict(config) | {"resolved_precision": precision.name,
-                                                     "resolved_device": str(device),
-                                                     "world_size": world.world_size})
+        run.record_config("train", asdict(asked) | {"resolved_precision": precision.name,
+                                                    "resolved_device": str(device),
+                                                    "world_size": world.world_size,
+                                                    "resolved_lr": config.lr})
         record_preprocessing(run, splits, config.dataset, "train")
     # Where autocast resolves to fp32, `amp` is the baseline's computation step for step (same
     # seed, data order and hyperparameters): it is trained once and fp32 is listed as its copy.
@@ -531,6 +534,28 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
             f"{result.samples_per_second:.0f} samples/s, {result.skipped_steps} skipped steps",
             quiet=not world.is_main)
     return results
+
+
+def _peak_lr(config, splits: DataSplits, precision: Precision, device, run: Run,
+             saved: dict) -> float:
+    """--lr as given, or found by a range test (stages/shared/lr_range.py) under the
+    precision and batch size training will use, once per run: a resume reads the value back.
+    The curve is kept in the run (train/lr-range.json) for the report."""
+    if config.lr != "auto":
+        return config.lr
+    if "resolved_lr" in saved:
+        return saved["resolved_lr"]
+    say(f"--lr auto: a learning-rate range test of up to {lr_range.MAX_STEPS} steps "
+        f"({lr_range.START_LR:g} to {lr_range.END_LR:g}) ...", quiet=config.quiet)
+    curve = lr_range.range_test(config, splits, precision, device)
+    if distributed.current().is_main:
+        path = run.root / "train" / "lr-range.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(curve) + "\n")
+        run.register("lr-range", path, kind="metrics", stage="train")
+    say(f"--lr auto: {curve['chosen']:.3g} (steepest descent at {curve['steepest']:.3g}, "
+        f"lowest loss at {curve['minimum']:.3g}, {curve['steps']} steps)", quiet=config.quiet)
+    return curve["chosen"]
 
 
 def _baseline_from_amp(amp: TrainResult, run: Run, config, is_main: bool) -> TrainResult:

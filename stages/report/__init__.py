@@ -41,7 +41,8 @@ from stages.shared.stats import paired_difference_interval, wilson_interval
 
 FIGURES = {"latency-vs-size.png": "latency against size, each batch size",
            "speedup.png": "speed-up against the fastest float variant, and size",
-           "training-curves.png": "training curves"}
+           "training-curves.png": "training curves",
+           "lr-range.png": "learning-rate range test"}
 
 
 def _hits(logits, labels) -> list[bool]:
@@ -302,6 +303,19 @@ def training_rows(run: Run) -> dict:
     return rows
 
 
+def learning_rate_of(run: Run) -> dict:
+    """The peak learning rate training used and how it was found (`--lr`, or the range test
+    whose curve the run keeps)."""
+    recorded = run.recorded_config("train")
+    if not recorded:
+        return {}
+    found = {"value": recorded.get("resolved_lr", recorded.get("lr")),
+             "found_by": "range test" if recorded.get("lr") == "auto" else "--lr"}
+    if "lr-range" in run.artifacts():
+        found["curve"] = json.loads(run.verified_path("lr-range").read_text())
+    return found
+
+
 def _drop(row: dict, split: str = "validation") -> float:
     """Points of accuracy lost against the reference on ``split`` (negative: gained)."""
     return -row[split]["change_vs_reference"]["difference"] * 100
@@ -351,8 +365,19 @@ def verdict(rows: list[dict], reference: str, budget_points: float) -> dict:
             "max_accuracy_drop_points": budget_points, "reference": reference}
 
 
-def diagnose_slow(row: dict) -> str:
-    """Why an int8 variant is slow, read from what it contains rather than from its name."""
+NO_VNNI = ("this CPU has no VNNI, so int8 kernels multiply through 16-bit steps that saturate "
+           "(oneDNN's 'Nuances of int8 computations') and run little faster than float ones; "
+           "int8 pays on CPUs with AVX-512 VNNI, AVX-VNNI or AMX")
+
+
+def diagnose_slow(row: dict, vnni: bool = True) -> str:
+    """Why an int8 variant is slow, read from what it contains rather than from its name;
+    on a CPU without VNNI, that its int8 kernels gain little over float there."""
+    cause = _contents_cause(row)
+    return cause if vnni or "Integer" in cause else f"{cause}; and {NO_VNNI}"
+
+
+def _contents_cause(row: dict) -> str:
     counts = row["op_counts"]
     ops = {op for c in counts.values() for op in c.get("ops", {})}
     quantization = row.get("quantization") or {}
@@ -384,7 +409,7 @@ def _measured_time(profiles: dict | None, name: str, size: str) -> str:
 
 
 def warnings_for(rows: list[dict], reference: str, budget_points: float,
-                 training: dict, profiles: dict | None = None) -> list[str]:
+                 training: dict, profiles: dict | None = None, vnni: bool = True) -> list[str]:
     """Results that defeat their purpose, each with its cause."""
     by_name = {row["name"]: row for row in rows}
     found = []
@@ -397,8 +422,8 @@ def warnings_for(rows: list[dict], reference: str, budget_points: float,
                              f"{ratio['best_float']} at batch {size} "
                              f"({row['latency_ms'][size]['p50']:.2f} ms against "
                              f"{by_name[ratio['best_float']]['latency_ms'][size]['p50']:.2f} ms):"
-                             f" {diagnose_slow(row)}." + _measured_time(profiles, row["name"],
-                                                                         size))
+                             f" {diagnose_slow(row, vnni)}."
+                             + _measured_time(profiles, row["name"], size))
         if _worst_drop(row) > budget_points:
             found.append(f"{row['name']} may lose up to {_worst_drop(row):.2f} points of "
                          f"held-out accuracy against {reference} at 95% confidence (measured: "
@@ -478,13 +503,18 @@ def run(config, run: Run) -> dict:
         plots.training_curves(histories, folder / "training-curves.png")
     else:
         figures.pop("training-curves.png")
+    learning_rate = learning_rate_of(run)
+    if learning_rate.get("curve"):
+        plots.lr_range(learning_rate["curve"], folder / "lr-range.png")
+    else:
+        figures.pop("lr-range.png")
     gpu_rows = on_device(rows, "cuda")
     environment |= {"gpu": gpu.name(), "gpu_rows": bool(gpu_rows),
                     "gpu_note": _gpu_note(config, gpu_rows, measured["unmeasured"])}
     report = {
         "run": run.name, "reference": reference,
         "config": asdict(config) | {"threads": threads}, "models": rows,
-        "training": training, "training_history": histories,
+        "training": training, "training_history": histories, "learning_rate": learning_rate,
         "verdict": contention.mark_verdict(verdict(
             on_device(rows, "cpu"), reference, config.max_accuracy_drop), conditions, "cpu") | {
             "device": "cpu",
@@ -493,7 +523,7 @@ def run(config, run: Run) -> dict:
                 conditions, "cuda") | {"device": "cuda"} if gpu_rows else None},
         "warnings": contention.warnings(conditions)
         + warnings_for(rows, reference, config.max_accuracy_drop, training,
-                       measured["profiles"])
+                       measured["profiles"], machine.cpu_has_vnni())
         + parity_warnings(measured["parity"]) + profile.failures(measured["profiles"])
         + isa_note(environment)
         + [f"{name} (quantize): {why}" for name, why in run.recorded_config(

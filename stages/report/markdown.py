@@ -264,15 +264,30 @@ def _training(report: dict) -> list[str]:
     method = next(iter(training.values())).get("peak_memory_method") or "not measured"
     isa = {name: (t.get("isa") or {}) for name, t in training.items()}
     lines += ["", f"Peak memory is the {method}. Every later stage starts from model.pt, the "
-              "epoch with the best validation accuracy."]
+              "epoch with the best validation accuracy." + _lr_sentence(report)]
     for name, found in isa.items():
         if found:
             lines.append(f"`{name}` trained with ATen's {found.get('aten')} kernels, oneDNN "
                          f"{found.get('onednn_max_cpu_isa')}.")
     lines.append("")
-    if "training-curves.png" in report["figures"]:
-        lines += ["![training curves](training-curves.png)", ""]
+    for figure in ("training-curves.png", "lr-range.png"):
+        if figure in report["figures"]:
+            lines += [f"![{report['figures'][figure]}]({figure})", ""]
     return lines
+
+
+def _lr_sentence(report: dict) -> str:
+    """How the peak learning rate was chosen."""
+    found = report.get("learning_rate") or {}
+    if not found.get("value"):
+        return ""
+    curve = found.get("curve")
+    if not curve:
+        return f" Peak learning rate {found['value']:g}, as --lr gave it."
+    return (f" Peak learning rate {found['value']:.3g}, found by a range test of "
+            f"{curve['steps']} steps from {curve['start_lr']:g} upwards: the lower of the "
+            f"steepest descent of the loss ({curve['steepest']:.3g}) and a tenth of where it "
+            f"was lowest ({curve['minimum']:.3g}).")
 
 
 def _gpu_paragraph(report: dict) -> list[str]:
@@ -299,7 +314,7 @@ def markdown(report: dict) -> str:
         lines += ["## Warnings", ""] + [f"- {w}" for w in report["warnings"]] + [""]
     lines += _models_table(report)
     lines += [f"![{title}]({name})" for name, title in report["figures"].items()
-              if name != "training-curves.png"] + [""]
+              if name not in ("training-curves.png", "lr-range.png")] + [""]  # in Training
     lines += profile.markdown(report.get("profiles"))
     lines += _quantization(report) + _training(report)
     env = report["environment"]

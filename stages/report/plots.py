@@ -137,3 +137,21 @@ def training_curves(histories: dict[str, list[dict]], path: Path) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     _save(plt, fig, path)
+
+
+def lr_range(curve: dict, path: Path) -> None:
+    """The learning-rate range test: smoothed loss against the learning rate (log scale), the
+    steepest descent, the lowest loss and the value chosen marked."""
+    plt, fig, (ax,) = _figure(6, 4)
+    ax.plot(curve["lrs"], curve["losses"], color="tab:blue")
+    for key, style, label in (("steepest", ":", "steepest descent"),
+                              ("minimum", "--", "lowest loss"),
+                              ("chosen", "-", "chosen peak")):
+        ax.axvline(curve[key], linestyle=style, color="tab:red" if key == "chosen" else "gray",
+                   label=f"{label} {curve[key]:.3g}")
+    ax.set(title="learning-rate range test", xlabel="learning rate", xscale="log",
+           ylabel="training loss (smoothed)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(plt, fig, path)

@@ -100,6 +100,10 @@ def test_a_slow_int8_warning_names_the_operators_measured_to_take_the_time():
     assert slow.endswith(" Measured at batch 32, its time goes to DequantizeLinear 4.00 ms (50%), "
                          "QLinearConv 3.00 ms (38%), Conv 1.00 ms (12%).")
     assert "Measured" not in report.warnings_for(rows, "fp32", 1.0, {})[0]  # none profiled
+    # On a CPU without VNNI the upstream cause is said in one line, with the measurement.
+    no_vnni = report.warnings_for(rows, "fp32", 1.0, {}, profiles, vnni=False)[0]
+    assert f"; and {report.NO_VNNI}. Measured at batch 32" in no_vnni
+    assert report.NO_VNNI not in slow
 
 
 def test_the_report_shows_where_the_recommendations_time_goes(tiny_run):

@@ -227,3 +227,48 @@ def test_bad_training_plans_are_refused_naming_the_flag(tmp_path, flags, message
     result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "train", *flags])
     assert result.exit_code == 2 and message in result.stderr
     assert not (tmp_path / "runs").exists()  # refused before a run folder is made
+
+
+def test_lr_auto_finds_a_learning_rate_by_a_range_test_and_keeps_its_curve(tmp_path):
+    """--lr auto: the range test's curve is kept in the run, the value chosen trains the
+    model and is recorded in config.json, and the report plots it and says how it was found."""
+    from stages.shared import lr_range
+
+    run = artifacts.create_run(tmp_path, "auto")
+    (result,) = train.run(TrainConfig(**TINY_TRAIN | {"lr": "auto", "epochs": 1,
+                                                       "baseline": False}), run)
+    curve = json.loads(run.verified_path("lr-range").read_text())
+    recorded = run.recorded_config("train")
+    assert recorded["lr"] == "auto" and recorded["resolved_lr"] == curve["chosen"]
+    assert lr_range.START_LR <= curve["chosen"] <= curve["steepest"]
+    assert curve["chosen"] <= curve["minimum"] / 10
+    assert 10 < curve["steps"] <= lr_range.MAX_STEPS and len(curve["lrs"]) == curve["steps"]
+    assert curve["lrs"] == sorted(curve["lrs"])  # rising exponentially
+    checkpoint = artifacts.load_checkpoint(run.verified_path("amp/checkpoint-last"))
+    assert checkpoint["config"]["lr"] == curve["chosen"]  # what training used
+    learning_rate = report.learning_rate_of(run)
+    assert learning_rate["value"] == curve["chosen"] and learning_rate["found_by"] == "range test"
+    from stages.report import plots
+    from stages.report.markdown import _lr_sentence
+
+    plots.lr_range(curve, tmp_path / "lr-range.png")
+    assert (tmp_path / "lr-range.png").read_bytes()[:4] == b"\x89PNG"
+    assert (f"Peak learning rate {curve['chosen']:.3g}, found by a range test of "
+            f"{curve['steps']} steps") in _lr_sentence({"learning_rate": learning_rate})
+
+
+def test_the_range_test_chooses_below_the_minimum_and_refuses_a_loss_that_never_falls():
+    from stages.shared import lr_range
+    from stages.shared.errors import PipelineError
+
+    lrs = [1e-5 * 10 ** (i / 10) for i in range(60)]  # 1e-5 to about 8
+    falling = [2.3 - 2.0 / (1 + pow(2.718, -(i - 30) / 3)) for i in range(50)] + [
+        0.35 + 0.5 * i for i in range(10)]  # steepest near step 30, lowest at step 49
+    chosen = lr_range.choose(lrs, falling)
+    assert chosen["steepest"] == pytest.approx(lrs[30], rel=0.3)
+    assert chosen["minimum"] == lrs[49]
+    assert chosen["chosen"] == min(chosen["steepest"], lrs[49] / 10)
+    with pytest.raises(PipelineError, match=r"--lr auto: the training loss never fell while the "
+                                            r"learning rate rose over 1.0e-05 to 7.9e\+00 in 60 "
+                                            r"steps \(the smoothed loss went from 2.3 to at best"):
+        lr_range.choose(lrs, [2.3] * 60)
