@@ -444,6 +444,7 @@ def planned_end(loop: Loop, epoch: int, budget: float | None) -> str:
     planned = totals["planned_epochs"] or config.epochs
     if budget is not None:
         fits = max(epoch, min(config.epochs, int(budget * epoch / max(totals["wall"], 1e-9))))
+        fits = distributed.broadcast(fits)  # ranks timed apart must still stop together
         if fits < planned:
             planned = totals["planned_epochs"] = fits
             loop.parts.scheduler.lr_lambdas[0].total_steps = fits * len(loop.parts.loader)
