@@ -59,14 +59,11 @@ def test_outputs_of_a_training_run(tiny_run):
     assert run.entry("fp32")["bytes"] == run.entry("amp")["bytes"]
 
 
-def test_model_pt_is_the_epoch_chosen_on_validation(tmp_path, monkeypatch):
-    run = artifacts.create_run(tmp_path, "best")
-    scores = iter([0.9, 0.5, 0.3] * 2)  # validation after epochs 1, 2, 3: the first is best
-    real = train.dataset_accuracy
-    monkeypatch.setattr(train, "dataset_accuracy", lambda model, dataset, device=None:
-                        next(scores) if dataset is splits_val[0] else real(model, dataset, device))
-    splits_val = []
-    real_load = train.load_splits
+def _validation_scores(monkeypatch, scores: list[float]) -> None:
+    """The validation split scores ``scores``, epoch by epoch (other splits score as they
+    do): the split is known by identity once training has loaded it."""
+    remaining, splits_val = iter(scores), []
+    real, real_load = train.dataset_accuracy, train.load_splits
 
     def load(config):
         splits = real_load(config)
@@ -74,6 +71,13 @@ def test_model_pt_is_the_epoch_chosen_on_validation(tmp_path, monkeypatch):
         return splits
 
     monkeypatch.setattr(train, "load_splits", load)
+    monkeypatch.setattr(train, "dataset_accuracy", lambda model, dataset, device=None: next(
+        remaining) if dataset is splits_val[0] else real(model, dataset, device))
+
+
+def test_model_pt_is_the_epoch_chosen_on_validation(tmp_path, monkeypatch):
+    run = artifacts.create_run(tmp_path, "best")
+    _validation_scores(monkeypatch, [0.9, 0.5, 0.3] * 2)  # epochs 1, 2, 3: the first is best
     (result,) = train.run(TrainConfig(**TINY_TRAIN | {"epochs": 3, "baseline": False,
                                                        "keep_checkpoints": 3}), run)
     assert result.best_epoch == 1 and result.val_accuracy == 0.9
@@ -160,18 +164,7 @@ def test_a_plateau_stops_training_and_keeps_the_best_epoch(tmp_path, monkeypatch
     """Validation best at epoch 1, then worse: with --patience 2 training ends after epoch 3
     of 6, says why, and model.pt is epoch 1's."""
     run = artifacts.create_run(tmp_path, "plateau")
-    scores = iter([0.9, 0.5, 0.4, 0.95, 0.95, 0.95])
-    real, splits_val = train.dataset_accuracy, []
-    monkeypatch.setattr(train, "dataset_accuracy", lambda model, dataset, device=None:
-                        next(scores) if dataset is splits_val[0] else real(model, dataset, device))
-    real_load = train.load_splits
-
-    def load(config):
-        splits = real_load(config)
-        splits_val.append(splits.val)
-        return splits
-
-    monkeypatch.setattr(train, "load_splits", load)
+    _validation_scores(monkeypatch, [0.9, 0.5, 0.4, 0.95, 0.95, 0.95])
     (result,) = train.run(TrainConfig(**TINY_TRAIN | {"epochs": 6, "patience": 2,
                                                        "baseline": False}), run)
     assert result.epochs_run == 3 and result.best_epoch == 1
