@@ -441,7 +441,7 @@ def planned_end(loop: Loop, epoch: int, budget: float | None) -> str:
     is cut to end with them: never past --epochs, never before the epochs done, never longer
     than planned before (a schedule stretched again would raise the learning rate)."""
     config, totals = loop.config, loop.totals
-    planned = totals["planned_epochs"] or config.epochs
+    planned = loop.planned_epochs
     if budget is not None:
         fits = max(epoch, min(config.epochs, int(budget * epoch / max(totals["wall"], 1e-9))))
         fits = distributed.broadcast(fits)  # ranks timed apart must still stop together
