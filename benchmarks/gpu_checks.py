@@ -47,7 +47,7 @@ def manifest(artifacts: Path, run: str) -> dict:
 def training_results(artifacts: Path, run: str) -> dict:
     """The train stage's per-model results as the report reads them."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from stages.shared.artifacts import open_run
+    from stages.run.artifacts import open_run
 
     opened = open_run(artifacts, run)
     return {name: opened.entry(name).get("training", {}) for name in ("fp32", "amp")}

@@ -44,9 +44,9 @@ def serve(artifacts_dir: Path, run_name: str, variant: str, batch_size: int,
     import torch
 
     from stages import runtimes
-    from stages.shared import timing
-    from stages.shared.artifacts import open_run
-    from stages.shared.data import splits_of_run
+    from stages.data.datasets import splits_of_run
+    from stages.measure import timing
+    from stages.run.artifacts import open_run
 
     torch.set_num_threads(threads)
     run = open_run(artifacts_dir, run_name)
@@ -99,7 +99,7 @@ def stop_workers(workers: dict) -> None:
 def time_alone(workers: dict, config: dict, floats: set[str], logs: Path) -> dict:
     """The report's harness, run over the workers: each call made and timed in its own
     process, one process active at a time."""
-    from stages.shared import timing
+    from stages.measure import timing
 
     active = [None]  # the worker that ran last, whose threads must be idle before the next
 
@@ -138,8 +138,8 @@ def main() -> None:
         serve(args.artifacts_dir, args.run_name, args.serve, args.batch_size, args.threads)
         return
 
-    from stages.shared import timing
-    from stages.shared.artifacts import open_run
+    from stages.measure import timing
+    from stages.run.artifacts import open_run
 
     run = open_run(args.artifacts_dir, args.run_name)
     args.run_name = run.name

@@ -23,7 +23,7 @@ def write_images(run, folder: Path, count: int) -> list[Path]:
     import numpy as np
     from PIL import Image
 
-    from stages.shared.data import preprocessing_of_run, splits_of_run
+    from stages.data.datasets import preprocessing_of_run, splits_of_run
 
     spec = preprocessing_of_run(run)
     test = splits_of_run(run).test
@@ -54,8 +54,8 @@ def main() -> None:
 
     import pipeline
     from pipeline.api import open_run, predict_files
-    from stages.shared import timing
-    from stages.shared.machine import cpu_info
+    from stages.measure import timing
+    from stages.measure.machine import cpu_info
 
     run = open_run(args.run, args.artifacts_dir)
     model = pipeline.load(run.root, args.variant)

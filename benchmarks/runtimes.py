@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pipeline.config import ReportConfig
 from stages import report
-from stages.shared.artifacts import open_run
+from stages.run.artifacts import open_run
 
 
 def table(result: dict) -> str:

@@ -18,10 +18,10 @@ import torch
 
 from pipeline.config import TrainConfig
 from stages import train
-from stages.shared import artifacts
-from stages.shared.data import load_splits
-from stages.shared.models import build_model
-from stages.shared.precision import Precision, autocast, resolve_device
+from stages.data.datasets import load_splits
+from stages.models.build import build_model
+from stages.run import artifacts
+from stages.training.precision import Precision, autocast, resolve_device
 
 
 def bare_loop(config: TrainConfig, splits, precision: Precision, device) -> float:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # annotations only: numpy is imported where it is used
 
 def open_run(run=None, artifacts_dir=None):
     """A run folder's path, a run's name, or None for the latest run."""
-    from stages.shared.artifacts import open_run as open_named
+    from stages.run.artifacts import open_run as open_named
 
     folder = artifacts_dir or os.environ.get("PIPELINE_ARTIFACTS_DIR", "artifacts")
     return open_named(Path(folder), None if run is None else os.fspath(run))
@@ -43,7 +43,7 @@ class Model:
     def preprocess(self, image) -> "numpy.ndarray":
         """A path or PIL image as the model's input (channels, size, size), float32: the
         evaluation transform of the run's data set."""
-        from stages.shared.preprocess import preprocess
+        from stages.data.preprocess import preprocess
 
         return preprocess(image, self.spec)
 
@@ -83,7 +83,7 @@ def load(run=None, variant: str = "recommended", *, artifacts_dir=None,
          threads: int = 0) -> Model:
     """Load a variant of a run; see the module's docstring."""
     from stages import runtimes
-    from stages.shared.data import preprocessing_of_run
+    from stages.data.datasets import preprocessing_of_run
 
     threads = 0 if threads is None else threads
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
@@ -100,6 +100,6 @@ def predict_files(model: Model, paths: Sequence[Path], batch_size: int = 64,
                   top_k: int = 1) -> Iterator[tuple[Path, list[tuple[str, float]] | str]]:
     """(path, [(class, probability), ...]) for each image, decoded and predicted in batches;
     (path, why) for a file that is not a readable image, which is skipped."""
-    from stages.shared.preprocess import predict_files as predict_with
+    from stages.data.preprocess import predict_files as predict_with
 
     yield from predict_with(list(paths), model.spec, model.predict, batch_size, top_k)

@@ -45,7 +45,7 @@ class PipelineGroup(click.Group):
         except KeyboardInterrupt:
             _fail(INTERRUPTED, 130)
         except Exception as exc:
-            from stages.shared.errors import PipelineError
+            from stages.run.errors import PipelineError
 
             if debug:
                 raise
@@ -157,7 +157,8 @@ def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Pa
               run_name: str | None, **_: object) -> None:
     """Open (or, for train and import, create) the run once, then apply every stage to it in
     order. Training (train, qat) runs on every torchrun rank; the rest on rank 0 alone."""
-    from stages.shared import artifacts, distributed
+    from stages.run import artifacts
+    from stages.training import distributed
 
     if not processors:
         return
@@ -200,11 +201,11 @@ def _cap_isa_before_any_kernel(ctx: click.Context, processors: list[Processor]) 
     (stages/precision.py says why); this is the last moment before any runs."""
     if not any(stage in ("train", "qat") for stage, _ in processors):
         return
-    from stages.shared.precision import cap_isa_for_bf16_training
+    from stages.training.precision import cap_isa_for_bf16_training
 
     precision = ctx.obj.get("train_precision") or "auto"
     if ctx.obj.get("resume"):  # the precision the run was started with
-        from stages.shared.artifacts import open_run
+        from stages.run.artifacts import open_run
 
         chosen = ctx.obj["chosen"]
         try:
@@ -255,7 +256,7 @@ def _status_write():
     """What a stage's status write holds back: Ctrl-C, kill and torchrun, dying loader workers."""
     import signal
 
-    from stages.shared.signals import deferred
+    from stages.run.signals import deferred
 
     return deferred(signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)
 
@@ -487,7 +488,7 @@ def quantize(ctx: click.Context, **flags) -> Processor:
             click.echo(f"--auto: {why}" + ("" if met else "; trying quantization-aware training"))
             if not met:
                 from stages import qat as qat_stage
-                from stages.shared.errors import Diverged
+                from stages.run.errors import Diverged
 
                 try:
                     made += qat_stage.run(qat_config, run)
@@ -546,7 +547,7 @@ def report(ctx: click.Context, **flags) -> Processor:
         click.echo(f"report: {run.root / 'report' / 'report.md'}")
 
     def check(artifacts_dir: Path) -> None:
-        from stages.shared.artifacts import list_runs
+        from stages.run.artifacts import list_runs
 
         known = list_runs(artifacts_dir)
         missing = [name for name in config.compare or () if name not in known]
@@ -579,8 +580,8 @@ def predict(ctx: click.Context, paths, json_lines, **flags) -> Processor:
 
     def process(run) -> None:
         from pipeline.api import load
-        from stages.shared.errors import PipelineError, UsageError
-        from stages.shared.preprocess import image_files, print_predictions, skipped_summary
+        from stages.data.preprocess import image_files, print_predictions, skipped_summary
+        from stages.run.errors import PipelineError, UsageError
 
         files, empty = image_files(config.paths)
         if empty:

@@ -99,7 +99,7 @@ def _check_data_flags(config) -> None:
     if config.in_channels is not None:
         _choice("--in-channels", config.in_channels, (1, 3))
     _at_least("--image-size", config.image_size, 8)
-    from stages.shared.models import check_model_name
+    from stages.models.build import check_model_name
 
     check_model_name(config.model)
 
@@ -240,7 +240,7 @@ class QuantizeConfig:
     auto: bool = False
     max_accuracy_drop: float = 1.0
     tuning_time: float | None = None  # seconds each static backend's search may take
-    # Cross-layer equalization before torch-static and ort-static (stages/shared/equalization):
+    # Cross-layer equalization before torch-static and ort-static (stages/quantization/equalization):
     # None: where weights are per-tensor (ort-static's default), and tried by --auto elsewhere.
     equalize: bool | None = None
     seed: int = 0

@@ -1,14 +1,12 @@
-"""What the pipeline does.
+"""What the pipeline does. Folders by subsystem, lowest first; a folder imports only the ones
+above it in this list (tests/test_layers.py reads every import and holds this):
 
-    stages/            the five stages, each a plain `run(config, run)`:
-                       train, import_model, qat, quantize, report (a package: its Markdown
-                       and plots)
-    stages/runtimes/   one module per inference runtime (pytorch, onnxruntime, openvino) behind one
-                       registry of variants, the context a stage hands them (context), and the
-                       file formats they write (onnx_export, graph_file)
-    stages/shared/     the machinery they share: the run folder, data, models, precision, the
-                       latency harness, statistics, the configuration search
-
-Imports run one way: a stage imports runtimes and shared tools; a runtime imports shared tools;
-shared tools import no stage and no runtime.
+    stages/run/            the run folder, checkpoints, errors, signals, progress, registries
+    stages/data/           data sets and splits, an image file as the model's input
+    stages/models/         building a model by name, its starting weights
+    stages/measure/        the latency harness, contention, accuracy, statistics, the machine
+    stages/training/       the one training loop, precision, lr range test, distributed
+    stages/quantization/   the configuration search, per-layer sensitivity, equalization
+    stages/runtimes/       one module per inference runtime behind one registry of variants
+    stages/*.py, report/, export/   the stages, each a plain `run(config, run)`
 """

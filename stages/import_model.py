@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from stages.shared.artifacts import Run, atomic_torch_save, sha256_file
-from stages.shared.checkpoints import cpu_state_dict
-from stages.shared.data import expected_shape, load_splits, record_preprocessing
-from stages.shared.evaluate import dataset_accuracy
-from stages.shared.models import build_model, check_model_fits, model_spec
-from stages.shared.progress import say
-from stages.shared.weights import load_into, pretrained_file, read_state_dict
+from stages.data.datasets import expected_shape, load_splits, record_preprocessing
+from stages.measure.evaluate import dataset_accuracy
+from stages.models.build import build_model, check_model_fits, model_spec
+from stages.models.weights import load_into, pretrained_file, read_state_dict
+from stages.run.artifacts import Run, atomic_torch_save, sha256_file
+from stages.run.checkpoints import cpu_state_dict
+from stages.run.progress import say
 
 
 def weights_file(config) -> Path:

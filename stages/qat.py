@@ -14,28 +14,28 @@ import copy
 import time
 from typing import NamedTuple
 
-from stages.runtimes import onnx_export, qdq_onnx
-from stages.runtimes import pytorch as torch_runtime
-from stages.runtimes.context import QuantContext, context
-from stages.runtimes.onnxruntime import onnx_op_counts, ort_predict, ort_session
-from stages.shared import batchnorm
-from stages.shared.artifacts import Run
-from stages.shared.data import (
+from stages.data.datasets import (
     EpochSampler,
     calibration_batches,
     make_loader,
     validation_halves,
 )
-from stages.shared.errors import Diverged, PipelineError
-from stages.shared.evaluate import PARITY_MIN_AGREEMENT, compare_logits, dataset_accuracy
-from stages.shared.precision import (
+from stages.measure.evaluate import PARITY_MIN_AGREEMENT, compare_logits, dataset_accuracy
+from stages.run.artifacts import Run
+from stages.run.errors import Diverged, PipelineError
+from stages.run.progress import progress, say
+from stages.runtimes import onnx_export, qdq_onnx
+from stages.runtimes import pytorch as torch_runtime
+from stages.runtimes.context import QuantContext, context
+from stages.runtimes.onnxruntime import onnx_op_counts, ort_predict, ort_session
+from stages.training import batchnorm
+from stages.training.loop import CosineSchedule, DeviceSums, Parts, decay_groups, train_step
+from stages.training.precision import (
     Precision,
     grad_scaler,
     resolve_device,
     seed_everything,
 )
-from stages.shared.progress import progress, say
-from stages.shared.training import CosineSchedule, DeviceSums, Parts, decay_groups, train_step
 
 
 def switch_off_stochastic_depth(model) -> list[str]:

@@ -9,10 +9,10 @@ registered in the manifest with what it contains.
 from __future__ import annotations
 
 from stages import runtimes
+from stages.run.artifacts import Run
+from stages.run.errors import UsageError
+from stages.run.progress import say
 from stages.runtimes.context import context, source_of
-from stages.shared.artifacts import Run
-from stages.shared.errors import UsageError
-from stages.shared.progress import say
 
 
 def plan(run: Run, methods: tuple[str, ...]) -> list[str]:

@@ -22,15 +22,26 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from stages.shared import batchnorm, distributed, lr_range, signals
-from stages.shared.artifacts import (
+from stages.data.datasets import (
+    DataSplits,
+    expected_shape,
+    load_splits,
+    make_loader,
+    record_preprocessing,
+)
+from stages.measure.evaluate import dataset_accuracy
+from stages.measure.machine import isa
+from stages.models.build import build_model, check_model_fits, model_spec
+from stages.models.weights import initial_weights
+from stages.run import signals
+from stages.run.artifacts import (
     Run,
     atomic_torch_save,
     atomic_write,
     atomic_write_text,
     remove_stale_temporaries,
 )
-from stages.shared.checkpoints import (
+from stages.run.checkpoints import (
     Checkpointer,
     best_weights,
     cpu_state_dict,
@@ -39,19 +50,12 @@ from stages.shared.checkpoints import (
     rng_state,
     weights_digest,
 )
-from stages.shared.data import (
-    DataSplits,
-    expected_shape,
-    load_splits,
-    make_loader,
-    record_preprocessing,
-)
-from stages.shared.errors import PipelineError
-from stages.shared.evaluate import dataset_accuracy
-from stages.shared.machine import isa
-from stages.shared.memory import PeakMemory
-from stages.shared.models import build_model, check_model_fits, model_spec
-from stages.shared.precision import (
+from stages.run.errors import PipelineError
+from stages.run.progress import progress, say
+from stages.training import batchnorm, distributed, lr_range
+from stages.training.loop import DeviceSums, Parts, build_parts, train_step
+from stages.training.memory import PeakMemory
+from stages.training.precision import (
     Precision,
     auto_precision_note,
     cap_isa_for_bf16_training,
@@ -59,9 +63,6 @@ from stages.shared.precision import (
     resolve_precision,
     set_deterministic,
 )
-from stages.shared.progress import progress, say
-from stages.shared.training import DeviceSums, Parts, build_parts, train_step
-from stages.shared.weights import initial_weights
 
 LOG_EVERY_CUDA = 50
 # The first step allocates gradients and SGD momentum; later ones reuse them: resnet18 on the
@@ -539,7 +540,7 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
 
 def _peak_lr(config, splits: DataSplits, precision: Precision, device, run: Run,
              saved: dict) -> float:
-    """--lr as given, or found by a range test (stages/shared/lr_range.py) under the
+    """--lr as given, or found by a range test (stages/training/lr_range.py) under the
     precision and batch size training will use, once per run: a resume reads the value back.
     The curve is kept in the run (train/lr-range.json) for the report."""
     if config.lr != "auto":

@@ -8,12 +8,12 @@
   batches 1 and 32, for tests that need a complete run folder and not what is in it.
 
 bf16 training on a CPU with AMX needs oneDNN capped below AMX before its first kernel (see
-stages/shared/precision.py); the CLI does that, and so does this file for tests that train
+stages/training/precision.py); the CLI does that, and so does this file for tests that train
 in-process.
 """
 from __future__ import annotations
 
-from stages.shared.precision import cap_isa_for_bf16_training
+from stages.training.precision import cap_isa_for_bf16_training
 
 cap_isa_for_bf16_training("bf16", "cpu")  # before any test imports torch and runs a kernel
 
@@ -35,7 +35,7 @@ FROM_QUANTIZE = [n for n in ALL_VARIANTS if n not in ("torch-qat", "ort-qat")]
 
 
 def _copy(run, folder):
-    from stages.shared import artifacts
+    from stages.run import artifacts
 
     shutil.copytree(run.artifacts_dir, folder)
     return artifacts.open_run(folder, run.name)
@@ -46,7 +46,7 @@ def tiny_run(tmp_path_factory):
     """A complete run folder of the tiny model with every variant quantize makes and a report.
     The amp model trains in bf16 whatever the CPU, so that mixed precision is what is tested."""
     from stages import quantize, report, train
-    from stages.shared import artifacts
+    from stages.run import artifacts
 
     run = artifacts.create_run(tmp_path_factory.mktemp("artifacts"), "tiny")
     train_results = train.run(TrainConfig(**TINY_TRAIN | {"precision": "bf16"}), run)
@@ -70,7 +70,7 @@ def tiny_qat_run(tiny_run, tmp_path_factory):
 @pytest.fixture(scope="session")
 def _cheap_template(tmp_path_factory):
     from stages import quantize, report, train
-    from stages.shared import artifacts
+    from stages.run import artifacts
 
     run = artifacts.create_run(tmp_path_factory.mktemp("template") / "artifacts", "cheap")
     train.run(TrainConfig(**TINY_TRAIN | {"precision": "fp32", "epochs": 1}), run)
@@ -89,7 +89,7 @@ def cheap_run(_cheap_template, tmp_path):
 @pytest.fixture(scope="session")
 def _fresh_template(tmp_path_factory):
     from stages import quantize, train
-    from stages.shared import artifacts
+    from stages.run import artifacts
 
     run = artifacts.create_run(tmp_path_factory.mktemp("template") / "artifacts", "fresh")
     train.run(TrainConfig(**TINY_TRAIN | {"precision": "fp32"}), run)

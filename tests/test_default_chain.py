@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.shared.precision import resolve_precision
+from stages.training.precision import resolve_precision
 from tests.conftest import ALL_VARIANTS
 
 

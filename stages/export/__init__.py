@@ -21,12 +21,12 @@ import tempfile
 from pathlib import Path
 
 from stages import runtimes
+from stages.data import preprocess
+from stages.data.datasets import preprocessing_of_run
+from stages.run.artifacts import Run, sha256_file, versions
+from stages.run.errors import UsageError
+from stages.run.progress import say
 from stages.runtimes.context import float_source
-from stages.shared import preprocess
-from stages.shared.artifacts import Run, sha256_file, versions
-from stages.shared.data import preprocessing_of_run
-from stages.shared.errors import UsageError
-from stages.shared.progress import say
 
 TEMPLATES = {"onnxruntime": "predict_onnxruntime.py", "openvino": "predict_openvino.py",
              "pytorch": "predict_torch.py"}

@@ -16,12 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from stages import runtimes
-from stages.report import plots, profile
-from stages.report.markdown import compare_markdown, markdown
-from stages.runtimes import gpu
-from stages.shared import contention, machine, timing
-from stages.shared.artifacts import Run, atomic_write_json, atomic_write_text, open_run
-from stages.shared.data import (
+from stages.data.datasets import (
     BASELINE_WORDS,
     SELECTION_WORDS,
     VALIDATION_WORDS,
@@ -29,15 +24,20 @@ from stages.shared.data import (
     splits_of_run,
     validation_halves,
 )
-from stages.shared.errors import PipelineError, UsageError
-from stages.shared.evaluate import (
+from stages.measure import contention, machine, timing
+from stages.measure.evaluate import (
     PARITY_MIN_AGREEMENT,
     compare_logits,
     predict_dataset,
     top_k_hits,
 )
-from stages.shared.progress import say
-from stages.shared.stats import paired_difference_interval, wilson_interval
+from stages.measure.stats import paired_difference_interval, wilson_interval
+from stages.report import plots, profile
+from stages.report.markdown import compare_markdown, markdown
+from stages.run.artifacts import Run, atomic_write_json, atomic_write_text, open_run
+from stages.run.errors import PipelineError, UsageError
+from stages.run.progress import say
+from stages.runtimes import gpu
 
 FIGURES = {"latency-vs-size.png": "latency against size, each batch size",
            "speedup.png": "speed-up against the fastest float variant, and size",
@@ -204,7 +204,7 @@ def time_variants(loaded: dict, splits, config, threads: int,
     until every speed-up against that device's fastest float variant is known to within
     --target-interval. GPU rows are timed by CUDA events where they run on PyTorch's stream.
     A batch size timed while other processes took the cores is timed again
-    (stages/shared/contention.py); also returned: what each was timed beside."""
+    (stages/measure/contention.py); also returned: what each was timed beside."""
     timings: dict[str, dict[str, timing.Timing]] = {}
     watch = contention.Watch(threads, meter)
     for device in sorted({item.device for item in loaded.values()}, key=DEVICES.index):
@@ -323,7 +323,7 @@ def _drop(row: dict, split: str = "validation") -> float:
 
 def _worst_drop(row: dict) -> float:
     """What a variant may lose at worst on the held-out images (one-sided 95%): what the
-    accuracy budget holds, as in quantize (stages/shared/tuning.py)."""
+    accuracy budget holds, as in quantize (stages/quantization/tuning.py)."""
     return -row["validation"]["change_vs_reference"]["worst"] * 100
 
 

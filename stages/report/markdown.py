@@ -4,11 +4,12 @@ from __future__ import annotations
 import json
 
 from stages import runtimes
+from stages.data.datasets import BASELINE_WORDS, SELECTION_WORDS, VALIDATION_WORDS
+from stages.measure import contention
+from stages.quantization import tuning
 from stages.report import profile
-from stages.shared import contention, tuning
-from stages.shared.artifacts import Run
-from stages.shared.data import BASELINE_WORDS, SELECTION_WORDS, VALIDATION_WORDS
-from stages.shared.errors import UsageError
+from stages.run.artifacts import Run
+from stages.run.errors import UsageError
 
 
 def _ratio(r: dict) -> str:

@@ -85,7 +85,7 @@ def resolve(run, variant: str) -> str:
     """A variant of ``run`` by name; "recommended" is the one its report recommends."""
     import json
 
-    from stages.shared.errors import UsageError
+    from stages.run.errors import UsageError
 
     if variant == RECOMMENDED:
         if "report/report.json" not in run.artifacts():

@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Iterator
 
 from stages import runtimes
-from stages.shared.artifacts import Run
-from stages.shared.data import (
+from stages.data.datasets import (
     DataSplits,
     calibration_batches,
     check_calibration,
@@ -19,9 +18,10 @@ from stages.shared.data import (
     splits_of_run,
     tuning_images,
 )
-from stages.shared.errors import PipelineError, UsageError
-from stages.shared.evaluate import accuracy
-from stages.shared.progress import say
+from stages.measure.evaluate import accuracy
+from stages.run.artifacts import Run
+from stages.run.errors import PipelineError, UsageError
+from stages.run.progress import say
 
 
 def float_source(run: Run) -> str:
@@ -84,10 +84,10 @@ class QuantContext:
         return self._float
 
     def equalized_model(self) -> tuple[object, dict]:
-        """The float model after cross-layer equalization (stages/shared/equalization), made
+        """The float model after cross-layer equalization (stages/quantization/equalization), made
         once, and its record: what was folded and scaled, and the largest logit change."""
         if self._equalized is None:
-            from stages.shared.equalization import equalize
+            from stages.quantization.equalization import equalize
 
             self._equalized = equalize(self.float_model(), self.check_images()[:32])
             record = self._equalized[1]
@@ -166,7 +166,7 @@ class QuantContext:
         one that did not is refused like a search that found nothing (on notMNIST,
         mobilenet_v2's ort-dynamic scored 16.7% on the test split, near chance, and was
         written)."""
-        from stages.shared import tuning
+        from stages.quantization import tuning
 
         backend = {"build": lambda options, float_layers: None,
                    "predict": lambda _, images: predict_fn(images)}

@@ -36,8 +36,8 @@ def wanted(device: str) -> bool:
 def _torch_row(run, row: str, name: str) -> Loaded:
     import torch
 
+    from stages.measure.evaluate import predict
     from stages.runtimes import pytorch as torch_runtime
-    from stages.shared.evaluate import predict
 
     device = torch.device("cuda")
     source = run.entry(name)["parent"] if name == "fp32-compiled" else name

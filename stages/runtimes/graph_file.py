@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 
-from stages.shared.errors import PipelineError
+from stages.run.errors import PipelineError
 
 FORMAT = "fx-graph-1"
 NAMESPACES = ("aten", "quantized_decomposed")

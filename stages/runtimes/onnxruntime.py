@@ -15,14 +15,14 @@ import shutil
 from collections import defaultdict
 from pathlib import Path
 
+from stages.measure.evaluate import compare_logits, predict
+from stages.measure.machine import cpu_has_vnni
+from stages.quantization import sensitivity, tuning
+from stages.quantization.sensitivity import Scheme
+from stages.run.artifacts import atomic_path
+from stages.run.errors import PipelineError
 from stages.runtimes import FLOAT, Loaded, declare, loader, onnx_export, profilers, variant
 from stages.runtimes.onnx_export import INPUT_NAME, OUTPUT_NAME
-from stages.shared import sensitivity, tuning
-from stages.shared.artifacts import atomic_path
-from stages.shared.errors import PipelineError
-from stages.shared.evaluate import compare_logits, predict
-from stages.shared.machine import cpu_has_vnni
-from stages.shared.sensitivity import Scheme
 
 ORT_TYPES = {"u8s8": ("QUInt8", "QInt8"), "s8s8": ("QInt8", "QInt8")}
 

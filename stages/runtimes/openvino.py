@@ -15,12 +15,12 @@ import logging
 import shutil
 from pathlib import Path
 
+from stages.measure.evaluate import compare_logits
+from stages.quantization import sensitivity, tuning
+from stages.quantization.sensitivity import Scheme
+from stages.run.artifacts import atomic_path
+from stages.run.errors import PipelineError
 from stages.runtimes import Loaded, loader, profilers, variant
-from stages.shared import sensitivity, tuning
-from stages.shared.artifacts import atomic_path
-from stages.shared.errors import PipelineError
-from stages.shared.evaluate import compare_logits
-from stages.shared.sensitivity import Scheme
 
 INPUT_NAME = "input"
 COMPUTE_LAYERS = {"Convolution": "Conv", "Deconvolution": "Conv", "FullyConnected": "Linear",

@@ -16,6 +16,13 @@ import functools
 import re
 import warnings
 
+from stages.measure.evaluate import compare_logits, predict
+from stages.measure.machine import cpu_has_vnni
+from stages.models.build import build_from_spec
+from stages.quantization import sensitivity, tuning
+from stages.quantization.sensitivity import Scheme
+from stages.run.artifacts import atomic_torch_save, load_checkpoint, sha256_file
+from stages.run.errors import PipelineError
 from stages.runtimes import (
     FLOAT,
     Loaded,
@@ -26,13 +33,6 @@ from stages.runtimes import (
     torchao_patterns,
     variant,
 )
-from stages.shared import sensitivity, tuning
-from stages.shared.artifacts import atomic_torch_save, load_checkpoint, sha256_file
-from stages.shared.errors import PipelineError
-from stages.shared.evaluate import compare_logits, predict
-from stages.shared.machine import cpu_has_vnni
-from stages.shared.models import build_from_spec
-from stages.shared.sensitivity import Scheme
 
 # What Inductor emits for each kind of kernel (torch 2.14, torchao 0.18).
 KERNELS = {

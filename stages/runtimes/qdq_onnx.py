@@ -12,11 +12,11 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from stages.measure.evaluate import PARITY_MIN_AGREEMENT, compare_logits
+from stages.run.artifacts import atomic_path
 from stages.runtimes import onnx_export
 from stages.runtimes.onnx_export import INPUT_NAME
 from stages.runtimes.onnxruntime import ort_predict, ort_session
-from stages.shared.artifacts import atomic_path
-from stages.shared.evaluate import PARITY_MIN_AGREEMENT, compare_logits
 
 # Training images that observe the range of each conv output given a QDQ pair of its own.
 RESIDUAL_CALIBRATION_IMAGES = 256

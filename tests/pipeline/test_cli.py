@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import cli
-from stages.shared.errors import PipelineError
+from stages.run.errors import PipelineError
 
 TINY = ["train", "--model", "smallcnn", "--image-size", "8", "--epochs", "1",
         "--no-measure-memory"]
@@ -147,7 +147,7 @@ def test_auto_gives_its_tuning_time_to_the_qat_it_goes_on_to(cheap_run, monkeypa
 def test_a_qat_that_diverges_under_auto_leaves_the_post_training_variants_standing(
         cheap_run, monkeypatch):
     from stages import qat, quantize
-    from stages.shared.errors import Diverged
+    from stages.run.errors import Diverged
 
     def diverges(config, run):
         raise Diverged("qat: the fake-quantized model diverged at epoch 1 step 3: ...")
@@ -175,7 +175,7 @@ def test_run_and_artifacts_dir_also_follow_the_stage(tmp_path):
     clash = invoke("--run", "a", "quantize", "--run", "b")
     assert clash.exit_code == 2 and "--run is given twice with different values" in clash.stderr
     # A `latest` left naming a run that is gone says so, rather than blame a --run never given.
-    from stages.shared import artifacts
+    from stages.run import artifacts
 
     artifacts.create_run(tmp_path, "kept")
     (tmp_path / "latest").write_text("gone\n")
@@ -186,7 +186,7 @@ def test_run_and_artifacts_dir_also_follow_the_stage(tmp_path):
 
 
 def test_a_compare_run_that_does_not_exist_is_refused_before_the_report_starts(tmp_path):
-    from stages.shared import artifacts
+    from stages.run import artifacts
 
     run = artifacts.create_run(tmp_path, "mine")
     result = invoke("--artifacts-dir", str(tmp_path), "report", "--compare", "mine,nope")

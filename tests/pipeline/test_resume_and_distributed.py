@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.shared import artifacts
-from stages.shared.checkpoints import weights_digest
+from stages.run import artifacts
+from stages.run.checkpoints import weights_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ["train", "--model", "smallcnn", "--image-size", "16", "--batch-size", "16", "--epochs",

@@ -15,16 +15,16 @@ from PIL import Image
 import pipeline
 from pipeline.cli import cli
 from stages import runtimes
-from stages.shared import preprocess
-from stages.shared.data import splits_of_run
-from stages.shared.errors import UsageError
+from stages.data import preprocess
+from stages.data.datasets import splits_of_run
+from stages.run.errors import UsageError
 from tests.conftest import FROM_QUANTIZE
 
 
 def _digit_files(folder: Path, count: int = 12) -> tuple[list[Path], list[int]]:
     """Test-split digits as the 8-bit PNG files a user would have (the data set's 0..16 scaled
     to 0..255), and their labels."""
-    from stages.shared.data import _stratified_split, digits_arrays
+    from stages.data.datasets import _stratified_split, digits_arrays
 
     images, targets = digits_arrays()
     _, test = _stratified_split(targets, 0.2, seed=0)
@@ -180,7 +180,7 @@ def test_an_exported_folder_runs_with_onnxruntime_numpy_and_pillow_alone(tiny_ru
                                                      "preprocessing.json"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["variant"] == "ort-static" and manifest["serving"]["runtime"] == "onnxruntime"
-    from stages.shared.artifacts import sha256_file
+    from stages.run.artifacts import sha256_file
 
     assert {name: record["sha256"] for name, record in manifest["files"].items()} == {
         p.name: sha256_file(p) for p in out.iterdir() if p.name != "manifest.json"}

@@ -10,8 +10,8 @@ from PIL import Image
 from pipeline import config as cfg
 from pipeline.cli import cli
 from stages import train
-from stages.shared.data import check_calibration, load_dataset
-from stages.shared.errors import PipelineError
+from stages.data.datasets import check_calibration, load_dataset
+from stages.run.errors import PipelineError
 
 
 @pytest.mark.parametrize("batches, message", [
@@ -70,7 +70,7 @@ def test_corrupt_images_are_named_or_skipped_and_counted(tmp_path):
 
 
 def test_skipped_images_are_counted_in_the_run(tmp_path):
-    from stages.shared import artifacts
+    from stages.run import artifacts
 
     root = _image_folder(tmp_path / "images")
     run = artifacts.create_run(tmp_path / "artifacts", "skip")

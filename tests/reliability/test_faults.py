@@ -17,8 +17,8 @@ from pipeline import cli as cli_module
 from pipeline.cli import cli
 from pipeline.config import TrainConfig
 from stages import train
-from stages.shared import artifacts
-from stages.shared.errors import PipelineError
+from stages.run import artifacts
+from stages.run.errors import PipelineError
 from tests.conftest import TINY_TRAIN
 
 # 94 MB checkpoints after every one of 12 cheap steps: nearly all the time goes to writing them.
@@ -95,10 +95,10 @@ FAULTY_WORKER = '''
 import os, signal, sys, time
 import torch
 from pipeline.config import TrainConfig
-from stages.shared import artifacts
+from stages.run import artifacts
 from stages import train
-from stages.shared.data import EpochSampler
-from stages.shared.errors import PipelineError
+from stages.data.datasets import EpochSampler
+from stages.run.errors import PipelineError
 from tests.conftest import TINY_TRAIN
 
 class Faulty(torch.utils.data.Dataset):
@@ -289,7 +289,7 @@ def test_two_runs_started_at_once_in_the_same_second_keep_apart(tmp_path):
     """Both ask for the same timestamp name (the clock is frozen for them): one gets it,
     the other a suffixed one; neither overwrites the other."""
     frozen = ("import sys\n"
-              "from stages.shared import artifacts\n"
+              "from stages.run import artifacts\n"
               "artifacts.timestamp_name = lambda: '20261130-120000'\n"
               "sys.argv = ['pipeline'] + sys.argv[1:]\n"
               "from pipeline.cli import main\nmain()\n")
@@ -365,7 +365,7 @@ def test_a_run_in_use_by_another_process_is_refused_until_that_process_dies(tmp_
     manifest = run.manifest_path.read_bytes()
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys, time\nfrom stages.shared import artifacts\n"
+         "import sys, time\nfrom stages.run import artifacts\n"
          f"run = artifacts.open_run({str(tmp_path)!r}, 'busy')\n"
          "with artifacts.hold_run(run, 'train quantize'):\n"
          "    print('held', flush=True)\n    time.sleep(120)\n"],

@@ -5,11 +5,11 @@ import torch
 
 from pipeline.config import QuantizeConfig, ReportConfig, TrainConfig
 from stages import quantize, report, train
+from stages.data.datasets import splits_of_run
+from stages.measure.evaluate import predict
+from stages.run import artifacts
+from stages.run.errors import PipelineError
 from stages.runtimes import pytorch as torch_runtime
-from stages.shared import artifacts
-from stages.shared.data import splits_of_run
-from stages.shared.errors import PipelineError
-from stages.shared.evaluate import predict
 from tests.conftest import TINY_REPORT, TINY_TRAIN
 
 

@@ -15,9 +15,9 @@ import torch
 from click.testing import CliRunner
 
 from pipeline.cli import cli
+from stages.run import artifacts
+from stages.run.errors import PipelineError
 from stages.runtimes.onnxruntime import ort_session
-from stages.shared import artifacts
-from stages.shared.errors import PipelineError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,7 +33,7 @@ def test_source_never_unpickles_arbitrary_objects():
     files = [path for folder in ("pipeline", "stages", "benchmarks")
              for path in (ROOT / folder).rglob("*.py")]
     # Every package below stages/ is scanned, the one that loads files most of all.
-    assert ROOT / "stages" / "shared" / "artifacts.py" in files
+    assert ROOT / "stages" / "run" / "artifacts.py" in files
     assert ROOT / "stages" / "runtimes" / "graph_file.py" in files
     for path in files:
         for number, line in enumerate(path.read_text().splitlines(), 1):
@@ -196,7 +196,7 @@ def test_garbage_or_truncated_onnx_is_a_clean_error_in_a_subprocess(tiny_run, tm
     path.write_bytes(b"\x08\x07garbage" * 50 if content == "garbage"
                      else source[: len(source) // 2])
     code = ("import sys\nfrom stages.runtimes.onnxruntime import ort_session\n"
-            "from stages.shared.errors import PipelineError\n"
+            "from stages.run.errors import PipelineError\n"
             "try:\n    ort_session(sys.argv[1], 1)\nexcept PipelineError as e:\n"
             "    print('CLEAN', e)\n    sys.exit(3)\n")
     proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,

@@ -20,9 +20,9 @@ from PIL import Image
 import pipeline
 from pipeline.cli import cli
 from pipeline.inputs import checked_batch, value_range
-from stages.shared import preprocess
-from stages.shared.data import splits_of_run
-from stages.shared.errors import PipelineError
+from stages.data import preprocess
+from stages.data.datasets import splits_of_run
+from stages.run.errors import PipelineError
 from tests.conftest import FROM_QUANTIZE
 
 _MODELS: dict = {}

@@ -13,8 +13,9 @@ from click.testing import CliRunner
 from pipeline.cli import cli
 from pipeline.config import ImportConfig, TrainConfig
 from stages import import_model, train
-from stages.shared import artifacts, weights
-from stages.shared.errors import PipelineError
+from stages.models import weights
+from stages.run import artifacts
+from stages.run.errors import PipelineError
 
 USER_MODULE = """
 import torch.nn as nn

@@ -8,18 +8,18 @@ import torch
 
 from pipeline.config import QatConfig, TrainConfig
 from stages import qat
+from stages.data.datasets import load_splits
+from stages.run.errors import PipelineError
 from stages.runtimes import pytorch as torch_runtime
 from stages.runtimes import qdq_onnx
-from stages.shared import batchnorm
-from stages.shared.data import load_splits
-from stages.shared.errors import PipelineError
+from stages.training import batchnorm
 from tests.conftest import TINY_TRAIN
 
 
 @pytest.mark.slow
 def test_frozen_batchnorm_keeps_its_statistics_while_training_goes_on():
     quantize_pt2e, _ = torch_runtime._pt2e()
-    from stages.shared.builtin_models import smallcnn
+    from stages.models.builtin import smallcnn
 
     spec = {"model": "smallcnn", "num_classes": 10, "in_channels": 1, "image_size": 8}
     graph = torch_runtime.export_graph(smallcnn(10, 1), spec, train=True)
@@ -76,8 +76,8 @@ def test_the_qat_stage_leaves_a_checked_int8_model(tiny_qat_run):
 @pytest.mark.slow
 def test_a_fine_tuned_model_is_judged_on_the_validation_split_alone(tiny_qat_run):
     from stages import runtimes
-    from stages.shared.data import splits_of_run, validation_halves
-    from stages.shared.evaluate import predict_dataset
+    from stages.data.datasets import splits_of_run, validation_halves
+    from stages.measure.evaluate import predict_dataset
 
     run, data = tiny_qat_run["run"], tiny_qat_run["report"]
     splits = splits_of_run(run)
@@ -154,7 +154,7 @@ def test_batchnorm_statistics_of_the_qat_graph_are_recomputed_from_training_imag
     model's own BatchNorm computes it with momentum None."""
     from torch import nn
 
-    from stages.shared.data import make_loader
+    from stages.data.datasets import make_loader
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4, momentum=0.0003), nn.ReLU(),
@@ -189,7 +189,7 @@ def test_validation_images_never_move_the_quantization_ranges(tmp_path, monkeypa
     ranges come from training images only. The epochs are scored on the half of the validation
     split that the report does not judge torch-qat on."""
     from stages import train
-    from stages.shared import artifacts
+    from stages.run import artifacts
 
     run = artifacts.create_run(tmp_path, "ranges")
     train.run(TrainConfig(**TINY_TRAIN | {"epochs": 1, "baseline": False}), run)
@@ -267,8 +267,8 @@ def test_weights_that_diverge_mid_epoch_are_one_clear_error(tmp_path, monkeypatc
     weights really turn NaN and torchao's own observer asserts; any other assertion, with the
     model finite, still comes out as it is."""
     from stages import train
-    from stages.shared import artifacts
-    from stages.shared.errors import Diverged
+    from stages.run import artifacts
+    from stages.run.errors import Diverged
 
     run = artifacts.create_run(tmp_path, "diverges")
     train.run(TrainConfig(**TINY_TRAIN | {"epochs": 1, "baseline": False}), run)
@@ -366,7 +366,7 @@ def residual(num_classes, in_channels):
 
 def _user_run(tmp_path, monkeypatch, factory, precision="auto"):
     from stages import train
-    from stages.shared import artifacts
+    from stages.run import artifacts
 
     (tmp_path / "qat_random_nets.py").write_text(RANDOM_NETS)
     monkeypatch.syspath_prepend(str(tmp_path))

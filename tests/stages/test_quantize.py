@@ -9,12 +9,12 @@ import torch
 
 from pipeline.config import QuantizeConfig, ReportConfig, TrainConfig
 from stages import quantize, runtimes, train
+from stages.data.datasets import load_splits
+from stages.measure.evaluate import predict
+from stages.run import artifacts
+from stages.run.errors import PipelineError, UsageError
 from stages.runtimes import onnxruntime as ort_runtime
 from stages.runtimes import pytorch as torch_runtime
-from stages.shared import artifacts
-from stages.shared.data import load_splits
-from stages.shared.errors import PipelineError, UsageError
-from stages.shared.evaluate import predict
 from tests.conftest import FROM_QUANTIZE, TINY_TRAIN
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -305,7 +305,7 @@ def test_a_search_that_finds_nothing_within_the_budget_keeps_nothing_and_says_wh
     (not even the one an earlier quantize made), the stage says so in one line and goes on,
     and the report says why."""
     from stages import report
-    from stages.shared import tuning
+    from stages.quantization import tuning
 
     assert "ort-static" in cheap_run.artifacts()  # made by the fixture's quantize
     monkeypatch.setattr(tuning, "_within", lambda trial, budget: False)
@@ -329,7 +329,7 @@ def test_dynamic_int8_is_held_to_the_budget_like_the_searched_variants(
     """Dynamic variants are scored on the held-out images like the searched ones, and one that
     loses more than the budget (mobilenet_v2's ort-dynamic fell to chance on notMNIST) is not
     written: the stage says so in one line each and goes on."""
-    from stages.shared import tuning
+    from stages.quantization import tuning
 
     for name in ("torch-dynamic", "ort-dynamic"):
         record = tiny_run["run"].entry(name)["quantization"]["tuning"]

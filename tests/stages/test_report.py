@@ -10,9 +10,9 @@ import torch
 
 from pipeline.config import ReportConfig
 from stages import report
+from stages.measure import contention, timing
 from stages.report import plots
 from stages.report.markdown import markdown
-from stages.shared import contention, timing
 from tests.conftest import ALL_VARIANTS
 
 
@@ -370,8 +370,8 @@ def test_gpu_rows_are_set_apart_from_cpu_rows_in_the_verdict_and_the_markdown(ti
 
 def test_accuracy_and_top5_are_counted_on_the_test_split_from_the_variant_itself(tiny_run):
     from stages import runtimes
-    from stages.shared.data import splits_of_run
-    from stages.shared.evaluate import predict_dataset
+    from stages.data.datasets import splits_of_run
+    from stages.measure.evaluate import predict_dataset
 
     run = tiny_run["run"]
     test = splits_of_run(run).test

@@ -5,8 +5,9 @@ import torch
 
 from pipeline.config import TrainConfig
 from stages import report, train
-from stages.shared import artifacts, batchnorm
-from stages.shared.precision import Precision
+from stages.run import artifacts
+from stages.training import batchnorm
+from stages.training.precision import Precision
 from tests.conftest import TINY_TRAIN
 
 
@@ -140,7 +141,7 @@ def test_batchnorm_statistics_are_recomputed_from_training_images():
     recomputing sets it to the images' own statistics, whatever the momentum."""
     from torch import nn
 
-    from stages.shared.data import load_splits
+    from stages.data.datasets import load_splits
 
     splits = load_splits(TrainConfig(**TINY_TRAIN))
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4, momentum=0.01), nn.Dropout(0.5))
@@ -194,8 +195,8 @@ def test_a_time_budget_plans_the_epochs_that_fit_and_ends_the_schedule_with_them
 
 
 def test_batchnorm_and_biases_get_no_weight_decay():
-    from stages.shared.models import build_model
-    from stages.shared.training import decay_groups
+    from stages.models.build import build_model
+    from stages.training.loop import decay_groups
 
     model = build_model("smallcnn", 10, 1, 8)
     decayed, exempt = decay_groups(model, 5e-4)
@@ -225,7 +226,7 @@ def test_bad_training_plans_are_refused_naming_the_flag(tmp_path, flags, message
 def test_lr_auto_finds_a_learning_rate_by_a_range_test_and_keeps_its_curve(tmp_path):
     """--lr auto: the range test's curve is kept in the run, the value chosen trains the
     model and is recorded in config.json, and the report plots it and says how it was found."""
-    from stages.shared import lr_range
+    from stages.training import lr_range
 
     run = artifacts.create_run(tmp_path, "auto")
     (result,) = train.run(TrainConfig(**TINY_TRAIN | {"lr": "auto", "epochs": 1,
@@ -251,8 +252,8 @@ def test_lr_auto_finds_a_learning_rate_by_a_range_test_and_keeps_its_curve(tmp_p
 
 
 def test_the_range_test_chooses_below_the_minimum_and_refuses_a_loss_that_never_falls():
-    from stages.shared import lr_range
-    from stages.shared.errors import PipelineError
+    from stages.run.errors import PipelineError
+    from stages.training import lr_range
 
     lrs = [1e-5 * 10 ** (i / 10) for i in range(60)]  # 1e-5 to about 8
     falling = [2.3 - 2.0 / (1 + pow(2.718, -(i - 30) / 3)) for i in range(50)] + [

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
+from stages.run.errors import PipelineError
 from stages.runtimes import graph_file
-from stages.shared.errors import PipelineError
 
 
 class _Reshaping(torch.nn.Module):

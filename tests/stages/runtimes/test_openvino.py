@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = """
 import gc, signal, sys
 from stages import runtimes
-from stages.shared import artifacts
+from stages.run import artifacts
 
 run = artifacts.open_run(sys.argv[1], sys.argv[2])
 first = runtimes.load(run, "openvino-fp32", threads=1)

@@ -1,0 +1,3 @@
+"""Data: the data sets and their seeded splits (the default set ships here as digits.npz), and
+how an image file becomes a model's input (preprocess, numpy and Pillow only).
+Imports only stages.run."""

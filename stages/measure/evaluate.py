@@ -1,0 +1,69 @@
+"""Logits and accuracy of any predictor (a PyTorch module, an ONNX Runtime or OpenVINO model)
+over a batch or a data set: the one way every step scores a model."""
+from __future__ import annotations
+
+from typing import Callable
+
+from stages.data.datasets import batches
+
+# Top-1 agreement below which two runtimes' versions of one model are said to disagree (the
+# report's parity table) and ort-qat is not kept.
+PARITY_MIN_AGREEMENT = 0.98
+
+
+def predict(model, images, batch_size: int = 256, device=None, autocast=None):
+    """Logits of ``model`` for a tensor of images, in eval mode, as fp32 on the CPU.
+    ``autocast`` is a context factory for a model served in reduced precision."""
+    import contextlib
+
+    import torch
+
+    device = device or torch.device("cpu")
+    model.eval()
+    outputs = []
+    with torch.inference_mode(), (autocast or contextlib.nullcontext)():
+        for start in range(0, len(images), batch_size):
+            outputs.append(model(images[start:start + batch_size].to(device)).float().cpu())
+    return torch.cat(outputs) if outputs else torch.empty(0)
+
+
+def top_k_hits(logits, labels, k: int):
+    """Whether each label is among the ``k`` highest logits, ties going to the lower class
+    index as argmax's do: topk's order among equal logits is unspecified, and an int8 model's
+    dequantized outputs tie often."""
+    order = logits.argsort(dim=1, descending=True, stable=True)[:, :k]
+    return order.eq(labels[:, None]).any(dim=1)
+
+
+def predict_dataset(predict_batch: Callable, dataset, batch_size: int = 256):
+    """(logits, labels) of a whole data set through ``predict_batch``."""
+    import torch
+
+    logits, labels = [], []
+    for images, targets in batches(dataset, batch_size):
+        logits.append(predict_batch(images))
+        labels.append(targets)
+    if not logits:
+        return torch.empty(0), torch.empty(0, dtype=torch.long)
+    return torch.cat(logits), torch.cat(labels)
+
+
+def accuracy(logits, labels) -> float:
+    """Share of correct top-1 predictions, as an exact ratio of counts."""
+    if not len(labels):
+        return float("nan")
+    return int((logits.argmax(dim=1) == labels).sum()) / len(labels)
+
+
+def dataset_accuracy(model, dataset, device=None) -> float:
+    return accuracy(*predict_dataset(lambda images: predict(model, images, device=device),
+                                     dataset))
+
+
+def compare_logits(reference, candidate) -> dict:
+    """How far two models' logits are apart on the same inputs."""
+    return {
+        "max_abs_diff": float((reference - candidate).abs().max()),
+        "top1_agreement": float((reference.argmax(1) == candidate.argmax(1)).float().mean()),
+        "samples": len(reference),
+    }

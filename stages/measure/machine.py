@@ -1,0 +1,48 @@
+"""The machine a measurement ran on: CPU model and flags, the kernels' ISA, versions, GPU."""
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8",
+             "asimddp")
+
+
+def cpu_info() -> dict:
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() in ("flags", "Features"):
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"model": model, "flags": [f for f in CPU_FLAGS if f in flags],
+            "cores": os.cpu_count()}
+
+
+def cpu_has_vnni() -> bool:
+    """VNNI (AVX-512, AVX or AMX) multiplies uint8 by int8 without saturating; without it,
+    int8 kernels need one operand of 7 bits (the weights, here) to stay exact."""
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(cpu_info()["flags"]))
+
+
+def isa() -> dict:
+    """What the kernels may use: ATen's vector ISA, and oneDNN's cap where one is set."""
+    import torch
+
+    return {"aten": torch.backends.cpu.get_cpu_capability(),
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "not capped")}
+
+
+def environment(threads: int) -> dict:
+    import torch
+
+    from stages.run.artifacts import versions
+
+    return {"versions": versions(), "device": "cpu", "cpu": cpu_info(), "isa": isa(),
+            "threads": threads, "cuda_available": torch.cuda.is_available(),
+            "platform": platform.platform()}

@@ -1,0 +1,253 @@
+"""Models by name: small built-ins, every torchvision classification model, timm's models
+(`timm:NAME`) and a user's own (`package.module:factory`), adapted to the data.
+
+What rebuilds a model is its name and three numbers (model_spec), stored with every checkpoint
+and artifact, so a later stage builds the same architecture and loads the weights into it.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Callable
+
+from stages.models.builtin import BUILTIN_MODELS
+from stages.run.errors import PipelineError, UsageError
+
+USER_MODEL = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+# torchvision's own extras that only apply to its training recipes: auxiliary classifiers
+# (GoogLeNet, Inception) return a tuple in training mode, which a plain loop cannot use.
+TORCHVISION_OPTIONS = {"googlenet": {"aux_logits": False, "init_weights": False},
+                       "inception_v3": {"aux_logits": False, "init_weights": False}}
+
+
+def torchvision_models() -> list[str]:
+    import torchvision
+
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def known_models() -> list[str]:
+    return sorted(BUILTIN_MODELS) + torchvision_models()
+
+
+def describe_known() -> str:
+    return (", ".join(known_models()) + "; also timm:NAME for timm's models and "
+            "package.module:factory for your own")
+
+
+def check_model_name(name: str) -> None:
+    """Refuse a --model that cannot name a model, listing what can; imports nothing of the
+    user's (that happens when the model is built)."""
+    if name.startswith("timm:"):  # before the user-factory pattern, which it also matches
+        timm = _timm()
+        if name[5:] not in timm.list_models():
+            raise ValueError(f"--model {name!r}: timm has no model {name[5:]!r}; see "
+                             "timm.list_models()")
+        return
+    if name in BUILTIN_MODELS or USER_MODEL.match(name):
+        return
+    if name not in torchvision_models():
+        raise ValueError(f"--model {name!r} is not one of: {describe_known()}")
+
+
+def _timm():
+    try:
+        import timm
+    except ImportError:
+        raise UsageError("timm models need timm: pip install 'pipeline[timm]'") from None
+    return timm
+
+
+def _user_factory(name: str) -> Callable:
+    """Import ``package.module:factory``; the current folder is searched first, as with
+    `python -m`, so a model file beside the user's data is found."""
+    module_name, _, attribute = name.partition(":")
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+        return getattr(module, attribute)
+    except (ImportError, AttributeError) as exc:
+        raise PipelineError(f"--model {name}: cannot import it ({type(exc).__name__}: {exc}); "
+                            "run from the folder that holds the module or install it, so that "
+                            f"'import {module_name}' works") from None
+
+
+def _call_factory(name: str, factory: Callable, num_classes: int, in_channels: int,
+                  image_size: int):
+    """Pass the keywords the factory declares among num_classes, in_channels, image_size."""
+    offered = {"num_classes": num_classes, "in_channels": in_channels, "image_size": image_size}
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+    arguments = {k: v for k, v in offered.items() if takes_any or k in parameters}
+    if "num_classes" not in arguments:
+        raise PipelineError(f"--model {name}: the factory must take a num_classes keyword "
+                            "(and may take in_channels and image_size)")
+    model = factory(**arguments)
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise PipelineError(f"--model {name}: the factory returned {type(model).__name__}, "
+                            "not a torch.nn.Module")
+    return model
+
+
+def _adapt_input_channels(model, in_channels: int) -> None:
+    """Swap the first convolution for one with ``in_channels`` inputs (grey digits: 1)."""
+    from torch import nn
+
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Conv2d):
+            if module.in_channels == in_channels:
+                return
+            replacement = nn.Conv2d(in_channels, module.out_channels, module.kernel_size,
+                                    module.stride, module.padding, module.dilation, 1,
+                                    module.bias is not None, module.padding_mode)
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, replacement)
+            return
+    raise ValueError(f"{type(model).__name__} has no Conv2d whose input channels can be adapted")
+
+
+def build_model(name: str, num_classes: int, in_channels: int, image_size: int = 32):
+    """A freshly initialised model; the same arguments always build the same architecture."""
+    if name in BUILTIN_MODELS:
+        return BUILTIN_MODELS[name](num_classes=num_classes, in_channels=in_channels)
+    if name.startswith("timm:"):
+        return _timm().create_model(name[5:], pretrained=False, num_classes=num_classes,
+                                    in_chans=in_channels)
+    if USER_MODEL.match(name):
+        return _call_factory(name, _user_factory(name), num_classes, in_channels, image_size)
+    import torchvision
+
+    if name not in torchvision_models():
+        raise ValueError(f"unknown model {name!r}; known: {describe_known()}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # GoogLeNet's note on its old init
+        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes,
+                                             **TORCHVISION_OPTIONS.get(name, {}))
+    _adapt_input_channels(model, in_channels)
+    return model
+
+
+def model_spec(name: str, num_classes: int, in_channels: int, image_size: int) -> dict:
+    """What rebuilds a model from its state_dict; stored with every checkpoint and artifact."""
+    return {"model": name, "num_classes": num_classes, "in_channels": in_channels,
+            "image_size": image_size}
+
+
+def build_from_spec(spec: dict):
+    return build_model(spec["model"], spec["num_classes"], spec["in_channels"],
+                       spec.get("image_size", 32))
+
+
+# ---------------------------------------------------------------- will it train at this size?
+
+PROBE_SIZES = (8, 16, 32, 64, 75, 96, 128, 160, 224, 299)
+
+
+def _meta_forward(name: str, num_classes: int, in_channels: int, image_size: int) -> dict:
+    """Run the model's training forward pass on the meta device: shapes only, no memory, so a
+    size that cannot work is found before any data is read. Returns the bytes of every leaf
+    module's output per sample (what backward keeps) and the parameter count."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            model = build_model(name, num_classes, in_channels, image_size)
+    except (NotImplementedError, RuntimeError):  # an initialiser that copies real data
+        model = build_model(name, num_classes, in_channels, image_size).to("meta")
+    outputs = []
+
+    def keep(module, inputs, output):
+        if isinstance(output, torch.Tensor):
+            outputs.append(output.numel())
+
+    for module in model.modules():
+        if not list(module.children()):
+            module.register_forward_hook(keep)
+    model.train()
+    batch = 2  # BatchNorm in training mode needs more than one value per channel
+    out = model(torch.empty(batch, in_channels, image_size, image_size, device="meta"))
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (batch, num_classes):
+        raise ValueError(f"its training forward pass returns {type(out).__name__} "
+                         f"{tuple(getattr(out, 'shape', ()))}, not logits of shape "
+                         f"(batch, {num_classes})")
+    return {"activation_bytes": 4 * sum(outputs) // batch,
+            "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def _works(name: str, num_classes: int, in_channels: int, size: int) -> bool:
+    try:
+        _meta_forward(name, num_classes, in_channels, size)
+        return True
+    except Exception:
+        return False
+
+
+def _available_memory(device) -> int | None:
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# Sizes at which a model trains but a runtime of the chain cannot take it (each found by
+# running the chain; tests/stages/test_families.py keeps them true).
+CHAIN_MIN_SIZE = {"googlenet": (32, "OpenVINO cannot convert the ceil-mode 3x3 max-pool that "
+                                    "meets a 2x2 map at smaller sizes")}
+
+
+def check_model_fits(name: str, num_classes: int, in_channels: int, image_size: int,
+                     batch_size: int, device, dataset_bytes: int = 0) -> None:
+    """Refuse, before any data is read, a model that cannot train at this image size (its
+    layers do not fit the size, or its memory does not fit the machine), saying what would."""
+    if name in CHAIN_MIN_SIZE and image_size < CHAIN_MIN_SIZE[name][0]:
+        smallest, reason = CHAIN_MIN_SIZE[name]
+        raise UsageError(f"--model {name} at {image_size}x{image_size}: {reason}; use "
+                         f"--image-size {smallest} or larger")
+    try:
+        probe = _meta_forward(name, num_classes, in_channels, image_size)
+    except PipelineError:
+        raise
+    except (NotImplementedError,):  # an op without a meta kernel: nothing to say
+        return
+    except Exception as exc:
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        works = [s for s in PROBE_SIZES if _works(name, num_classes, in_channels, s)]
+        hint = (f"it trains at --image-size {', '.join(map(str, works))}" if works
+                else "no size from 8 to 299 works with this data; choose another model")
+        raise UsageError(f"--model {name} cannot train on {image_size}x{image_size} images "
+                         f"({reason}); {hint}") from None
+    available = _available_memory(device)
+    if available is None:
+        return
+    # Activations kept for backward and their gradients, and the data set where it is held in
+    # memory, grow with the image's area; weights, gradients, momentum and the autocast
+    # copies do not.
+    growing = batch_size * probe["activation_bytes"] * 2 + dataset_bytes
+    fixed = probe["parameters"] * 4 * 4
+    need = growing + fixed
+    if need <= available:
+        return
+    largest = int(image_size * (max(available - fixed, 0) / growing) ** 0.5)
+    fits = (f"the largest --image-size that fits at this batch size is about {largest}"
+            if largest >= 8 else "lower --batch-size or choose a smaller model")
+    raise UsageError(f"--image-size {image_size}: training {name} at --batch-size {batch_size} "
+                     f"needs about {need / 2**30:.1f} GiB, and {available / 2**30:.1f} GiB are "
+                     f"available on {device.type}; {fits}")

@@ -1,0 +1,97 @@
+"""A learning rate found for the model: the range test of Smith (2017), as fastai's `lr_find`
+and Lightning's `Tuner.lr_find` run it.
+
+A fresh copy of the model (same seed, so the same initial weights as the training that
+follows) takes up to MAX_STEPS optimizer steps on training batches while the learning rate
+rises exponentially from START_LR to END_LR, under the precision and batch size training will
+use. The loss is smoothed (an exponential moving average, bias-corrected); the test stops once
+it passes DIVERGED times its lowest value. The peak learning rate chosen is the lower of the
+steepest descent of the smoothed loss against log(lr) and a tenth of the learning rate at its
+minimum: the minimum itself is already where training starts to come apart, and SGD's cosine
+schedule holds its peak for many steps, where the test held each value for one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from stages.run.errors import PipelineError
+from stages.training.loop import DeviceSums, build_parts, train_step
+
+START_LR, END_LR = 1e-5, 10.0
+MAX_STEPS = 100
+SMOOTHING = 0.98
+DIVERGED = 4.0
+MINIMUM_DIVISOR = 10.0
+SKIPPED_START = 5  # the first steps' smoothed loss stands on too few batches to judge a slope
+LEAST_FALL = 0.05  # the loss must fall by this share of its start for a choice to exist
+
+
+def range_test(config, splits, precision, device, steps: int = MAX_STEPS) -> dict:
+    """The curve (lrs, smoothed losses) and the learning rates read from it; PipelineError
+    where the loss never fell."""
+    import torch
+
+    probe = dataclasses.replace(config, lr=1.0, time=None)  # the schedule below sets the lr
+    parts = build_parts(probe, splits, precision, device)
+    growth = (END_LR / START_LR) ** (1.0 / max(1, steps - 1))
+    parts.scheduler = torch.optim.lr_scheduler.LambdaLR(
+        parts.optimizer, lambda step: START_LR * growth ** step)
+    parts.trained.train()
+    if not len(parts.loader):
+        raise PipelineError("--lr auto: the training split holds no batch to test on")
+    lrs, losses, average, lowest = [], [], 0.0, math.inf
+    for images, labels in _batches(parts):
+        if len(lrs) >= steps:
+            break
+        lr = parts.optimizer.param_groups[0]["lr"]
+        sums = DeviceSums(device)
+        train_step(parts, precision, device, probe, images, labels, sums, len(lrs))
+        seen = sums.read()
+        loss = seen["loss"] / max(seen["seen"], 1)
+        if seen["first_bad"] >= 0 or not math.isfinite(loss):
+            break
+        average = SMOOTHING * average + (1 - SMOOTHING) * loss
+        smoothed = average / (1 - SMOOTHING ** (len(lrs) + 1))
+        lrs.append(lr)
+        losses.append(smoothed)
+        lowest = min(lowest, smoothed)
+        if len(lrs) > SKIPPED_START and smoothed > DIVERGED * lowest:
+            break
+    return {"lrs": lrs, "losses": losses, "steps": len(lrs), "start_lr": START_LR,
+            "end_lr": END_LR} | choose(lrs, losses)
+
+
+def _batches(parts):
+    """Training batches, epoch after epoch, for as long as the test takes."""
+    epoch = 0
+    while True:
+        epoch += 1
+        parts.sampler.set_epoch(epoch)
+        yield from parts.loader
+
+
+def choose(lrs: list[float], losses: list[float]) -> dict:
+    """The learning rates read from a smoothed curve: `steepest` (the most negative slope of
+    the loss against log(lr) before its minimum), `minimum` (where the loss was lowest) and
+    `chosen` (the lower of the steepest and a tenth of the minimum)."""
+    if len(losses) <= SKIPPED_START + 2:
+        raise PipelineError(_never_fell(lrs, "too few steps ran before the loss blew up"))
+    lowest_at = min(range(len(losses)), key=losses.__getitem__)
+    start = losses[SKIPPED_START]
+    if lowest_at <= SKIPPED_START or losses[lowest_at] > (1 - LEAST_FALL) * start:
+        raise PipelineError(_never_fell(lrs, f"the smoothed loss went from {start:.3g} to at "
+                                             f"best {losses[lowest_at]:.3g}"))
+    slopes = [(losses[i + 1] - losses[i - 1]) / math.log(lrs[i + 1] / lrs[i - 1])
+              for i in range(SKIPPED_START, lowest_at)]
+    steepest = lrs[SKIPPED_START + min(range(len(slopes)), key=slopes.__getitem__)]
+    minimum = lrs[lowest_at]
+    return {"steepest": steepest, "minimum": minimum,
+            "chosen": min(steepest, minimum / MINIMUM_DIVISOR)}
+
+
+def _never_fell(lrs: list[float], detail: str) -> str:
+    tried = f"{lrs[0]:.1e} to {lrs[-1]:.1e}" if lrs else f"from {START_LR:.0e}"
+    return (f"--lr auto: the training loss never fell while the learning rate rose over "
+            f"{tried} in {len(lrs)} steps ({detail}); check the data and labels, or give --lr "
+            "yourself")

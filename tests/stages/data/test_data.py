@@ -1,0 +1,77 @@
+import numpy as np
+import pytest
+import torch
+
+from stages.data.datasets import _stratified_split, calibration_batches, load_dataset
+from stages.run.errors import PipelineError
+
+
+def _rows(tensor):
+    return {tuple(row.flatten().tolist()) for row in tensor}
+
+
+def test_digits_split_is_stratified_disjoint_and_fixed():
+    splits = load_dataset("digits", image_size=8, seed=0)
+    sizes = [len(splits.train), len(splits.val), len(splits.test)]
+    assert sum(sizes) == 1797 and sizes[2] == 360
+    counts = torch.bincount(splits.test.tensors[1], minlength=10)
+    assert counts.min() >= 35 and counts.max() <= 37  # 20% of every class of ~180
+    assert not _rows(splits.train.tensors[0]) & _rows(splits.test.tensors[0])
+    other_seed = load_dataset("digits", image_size=8, seed=1)
+    assert torch.equal(other_seed.test.tensors[0], splits.test.tensors[0])
+    assert not torch.equal(other_seed.train.tensors[1], splits.train.tensors[1])
+
+
+def test_image_size_resizes_and_normalises():
+    splits = load_dataset("digits", image_size=32, seed=0)
+    assert splits.train.tensors[0].shape[1:] == (1, 32, 32)
+    assert splits.input_shape(4) == (4, 1, 32, 32)
+    assert abs(float(splits.train.tensors[0].mean())) < 0.1
+
+
+def test_calibration_comes_from_the_training_split_only():
+    splits = load_dataset("digits", image_size=8, seed=0)
+    batches = calibration_batches(splits, num_samples=100, batch_size=32, seed=0)
+    assert [len(b) for b in batches] == [32, 32, 32, 4]
+    chosen = _rows(torch.cat(batches))
+    assert chosen <= _rows(splits.train.tensors[0])
+    assert not chosen & _rows(splits.test.tensors[0])
+
+
+class _Counting(torch.utils.data.Dataset):
+    """A large 'training split' that counts the images it is asked to decode."""
+
+    def __init__(self, size):
+        self.size, self.decoded = size, 0
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        self.decoded += 1
+        return torch.zeros(1, 8, 8), index % 10
+
+
+def test_the_selection_images_are_streamed_not_decoded_whole():
+    from stages.data.datasets import DataSplits, tuning_images
+
+    train, val = _Counting(50_000), _Counting(300)
+    splits = DataSplits(train, val, _Counting(10), train, num_classes=10, in_channels=1,
+                        image_size=8)
+    images, labels = tuning_images(splits, calibration_samples=512, seed=0, limit=1024)
+    assert len(images) == 1024 and val.decoded == 300 and train.decoded == 724
+
+
+def test_the_stratified_split_shares_the_held_out_part_among_classes_in_proportion():
+    labels = np.array([0] * 50 + [1] * 30 + [2] * 3 + [3] * 2)
+    kept, held = _stratified_split(labels, 0.2, seed=0)
+    assert sorted(np.concatenate([kept, held])) == list(range(85))
+    # ceil(0.2 x 85) = 17 is 10 + 6 + 0.6 + 0.4 by proportion: the larger remainder gets the
+    # seventeenth, and the last class one more, since every class keeps one image and holds
+    # one out however small its share.
+    assert np.bincount(labels[held]).tolist() == [10, 6, 1, 1]
+    assert np.bincount(labels[kept]).tolist() == [40, 24, 2, 1]
+    again, other = _stratified_split(labels, 0.2, seed=0), _stratified_split(labels, 0.2, seed=1)
+    assert np.array_equal(again[1], held) and not np.array_equal(other[1], held)
+    with pytest.raises(PipelineError, match="class 9 has a single image; give every class two"):
+        _stratified_split(np.array([0, 0, 9]), 0.5, seed=0)

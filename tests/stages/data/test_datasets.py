@@ -1,0 +1,126 @@
+"""Small data in each real on-disk format, read by the real torchvision loaders."""
+import pickle
+import struct
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision import datasets
+
+from pipeline.config import TrainConfig
+from stages import train
+from stages.data.datasets import load_dataset
+from stages.run import artifacts
+from stages.run.errors import PipelineError
+
+
+def _write_idx(folder, prefix, count, rng):
+    folder.mkdir(parents=True, exist_ok=True)
+    images = rng.integers(0, 256, size=(count, 28, 28), dtype=np.uint8)
+    labels = np.arange(count, dtype=np.uint8) % 10
+    (folder / f"{prefix}-images-idx3-ubyte").write_bytes(
+        struct.pack(">IIII", 2051, count, 28, 28) + images.tobytes())
+    (folder / f"{prefix}-labels-idx1-ubyte").write_bytes(
+        struct.pack(">II", 2049, count) + labels.tobytes())
+
+
+@pytest.fixture
+def mnist_dir(tmp_path):
+    rng = np.random.default_rng(0)
+    for name in ("MNIST", "FashionMNIST"):
+        _write_idx(tmp_path / name / "raw", "train", 100, rng)
+        _write_idx(tmp_path / name / "raw", "t10k", 30, rng)
+    return tmp_path
+
+
+@pytest.fixture
+def cifar_dir(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+
+    def batch(count):
+        return {"data": rng.integers(0, 256, size=(count, 3072), dtype=np.uint8),
+                "labels": [i % 10 for i in range(count)]}
+
+    for i in range(1, 6):
+        (folder / f"data_batch_{i}").write_bytes(pickle.dumps(batch(20)))
+    (folder / "test_batch").write_bytes(pickle.dumps(batch(20)))
+    meta = {"label_names": [str(i) for i in range(10)]}
+    (folder / "batches.meta").write_bytes(pickle.dumps(meta))
+    # torchvision checks the md5 of the published files; ours are small stand-ins.
+    monkeypatch.setattr(datasets.CIFAR10, "_check_integrity", lambda self: True)
+    monkeypatch.setattr(datasets.cifar, "check_integrity", lambda path, md5=None: True)
+    return tmp_path
+
+
+def _png_folder(root, classes=3, per_class=10, size=12):
+    rng = np.random.default_rng(0)
+    for c in range(classes):
+        (root / f"class{c}").mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / f"class{c}" / f"{i}.png")
+    return root
+
+
+@pytest.mark.parametrize("name", ["mnist", "fashion-mnist"])
+def test_mnist_formats_load_split_and_widen(mnist_dir, name):
+    splits = load_dataset(name, image_size=28, seed=0, data_dir=mnist_dir)
+    assert (len(splits.train), len(splits.val), len(splits.test)) == (90, 10, 30)
+    assert splits.num_classes == 10 and splits.in_channels == 1
+    assert splits.test[0][0].shape == (1, 28, 28)
+    widened = load_dataset(name, image_size=32, seed=0, data_dir=mnist_dir, in_channels=3)
+    image = widened.test[0][0]
+    assert image.shape == (3, 32, 32) and torch.equal(image[0], image[2])
+
+
+def test_cifar_batches_load_with_augmentation_for_training_only(cifar_dir):
+    splits = load_dataset("cifar10", image_size=32, seed=0, data_dir=cifar_dir)
+    assert (len(splits.train), len(splits.val), len(splits.test)) == (90, 10, 20)
+    assert splits.in_channels == 3 and splits.num_classes == 10
+    kinds = lambda ds: [type(t).__name__ for t in ds.dataset.transform.transforms]  # noqa: E731
+    assert "RandomCrop" in kinds(splits.train) and "RandomHorizontalFlip" in kinds(splits.train)
+    assert "RandomCrop" not in kinds(splits.val) and "RandomCrop" not in kinds(splits.calibration)
+    assert torch.equal(splits.calibration[0][0], splits.calibration[0][0])
+
+
+def test_imagefolder_split_or_train_val_folders(tmp_path):
+    single = load_dataset("imagefolder", image_size=16, seed=0,
+                          data_dir=_png_folder(tmp_path / "flat", per_class=20))
+    assert len(single.train) + len(single.val) + len(single.test) == 60
+    assert single.num_classes == 3 and single.test[0][0].shape == (3, 16, 16)
+    _png_folder(tmp_path / "split" / "train")
+    _png_folder(tmp_path / "split" / "val", per_class=4)
+    both = load_dataset("imagefolder", image_size=16, seed=0, data_dir=tmp_path / "split")
+    assert len(both.test) == 12 and len(both.train) + len(both.val) == 30
+
+
+def test_missing_data_names_the_folder_and_files(tmp_path):
+    with pytest.raises(PipelineError) as raised:
+        load_dataset("mnist", image_size=28, seed=0, data_dir=tmp_path)
+    message = str(raised.value)
+    assert str(tmp_path / "MNIST" / "raw") in message and "train-images-idx3-ubyte" in message
+    assert "--download" in message
+    with pytest.raises(PipelineError, match="cifar-10-batches-py.*data_batch_1"):
+        load_dataset("cifar10", image_size=32, seed=0, data_dir=tmp_path)
+    with pytest.raises(PipelineError, match="is not a folder"):
+        load_dataset("imagefolder", image_size=32, seed=0, data_dir=tmp_path / "nothing")
+
+
+def test_training_runs_on_torchvision_data(cifar_dir, tmp_path):
+    run = artifacts.create_run(tmp_path / "artifacts", "cifar")
+    config = TrainConfig(model="smallcnn", dataset="cifar10", data_dir=str(cifar_dir), epochs=1,
+                         batch_size=16, baseline=False, measure_memory=False, quiet=True)
+    (result,) = train.run(config, run)
+    assert result.optimizer_steps == 6  # 90 training images in batches of 16
+    assert run.entry("amp")["model_spec"]["in_channels"] == 3
+    # The reported test accuracy is what the saved model scores on the 20 test images.
+    from stages.measure.evaluate import dataset_accuracy
+    from stages.runtimes.pytorch import load_float_module
+
+    saved = load_float_module(run, "amp")
+    assert result.test_accuracy == dataset_accuracy(saved, load_dataset(
+        "cifar10", image_size=32, seed=0, data_dir=cifar_dir).test)
+    assert round(result.test_accuracy * 20) == result.test_accuracy * 20

@@ -1,0 +1,72 @@
+"""Models by name: built-ins, torchvision, timm, a user's own; sizes refused up front."""
+import pytest
+import torch
+
+from stages.models.build import build_model, check_model_fits, check_model_name, known_models
+from stages.run.errors import PipelineError, UsageError
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("name", ["smallcnn", "mixer", "resnet18", "mobilenet_v3_small",
+                                  "timm:test_resnet"])
+def test_models_take_grey_images_and_give_one_logit_per_class(name):
+    model = build_model(name, num_classes=10, in_channels=1).eval()
+    with torch.no_grad():
+        assert model(torch.randn(2, 1, 32, 32)).shape == (2, 10)
+
+
+def test_unknown_model_lists_the_known_ones():
+    with pytest.raises(ValueError, match="unknown model 'resnet7'.*smallcnn.*resnet18"):
+        build_model("resnet7", 10, 1)
+    with pytest.raises(ValueError, match="--model 'resnet7' is not one of: .*timm:NAME"):
+        check_model_name("resnet7")
+    with pytest.raises(ValueError, match="timm has no model 'nope'"):
+        check_model_name("timm:nope")
+    check_model_name("mypackage.models:factory")  # imported only when built
+    assert "smallcnn" in known_models() and "resnet18" in known_models()
+
+
+def test_a_users_factory_gets_the_keywords_it_declares(tmp_path, monkeypatch):
+    (tmp_path / "usernets.py").write_text(
+        "import torch.nn as nn\n"
+        "def net(num_classes, image_size):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(image_size * image_size, num_classes))\n"
+        "def not_a_module(num_classes):\n    return 'a string'\n"
+        "def no_classes(in_channels):\n    return nn.Identity()\n")
+    monkeypatch.chdir(tmp_path)
+    model = build_model("usernets:net", num_classes=7, in_channels=1, image_size=8)
+    assert model(torch.randn(3, 1, 8, 8)).shape == (3, 7)
+    with pytest.raises(PipelineError, match="returned str, not a torch.nn.Module"):
+        build_model("usernets:not_a_module", 7, 1, 8)
+    with pytest.raises(PipelineError, match="must take a num_classes keyword"):
+        build_model("usernets:no_classes", 7, 1, 8)
+    with pytest.raises(PipelineError, match="cannot import it .*'import missing_module' works"):
+        build_model("missing_module:net", 7, 1, 8)
+
+
+@pytest.mark.parametrize("name, size, needle", [
+    ("vit_b_16", 32, "it trains at --image-size 224"),
+    ("alexnet", 32, "it trains at --image-size 64,"),
+    ("inception_v3", 32, "it trains at --image-size 75,"),
+])
+def test_a_size_a_model_cannot_take_is_refused_with_the_sizes_it_can(name, size, needle):
+    with pytest.raises(UsageError) as raised:
+        check_model_fits(name, 10, 1, size, 64, CPU)
+    assert f"--model {name} cannot train on {size}x{size} images" in str(raised.value)
+    assert needle in str(raised.value)
+
+
+def test_a_size_that_cannot_fit_in_memory_is_refused_with_what_fits():
+    with pytest.raises(UsageError) as raised:
+        check_model_fits("resnet18", 10, 1, 100_000, 64, CPU, dataset_bytes=1797 * 4 * 10**10)
+    message = str(raised.value)
+    assert message.startswith("--image-size 100000: training resnet18 at --batch-size 64 needs")
+    largest = int(message.rsplit("about ", 1)[1])
+    assert 64 <= largest < 5000
+    check_model_fits("resnet18", 10, 1, min(largest, 224) // 2, 64, CPU)  # half of it fits
+
+
+def test_googlenet_and_inception_train_without_auxiliary_outputs():
+    model = build_model("googlenet", 10, 1).train()
+    assert model(torch.randn(2, 1, 32, 32)).shape == (2, 10)
