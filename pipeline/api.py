@@ -100,6 +100,6 @@ def predict_files(model: Model, paths: Sequence[Path], batch_size: int = 64,
                   top_k: int = 1) -> Iterator[tuple[Path, list[tuple[str, float]] | str]]:
     """(path, [(class, probability), ...]) for each image, decoded and predicted in batches;
     (path, why) for a file that is not a readable image, which is skipped."""
-    from stages.data.preprocess import predict_files as predict_with
+    from stages.predict import predict_files as predict_with
 
     yield from predict_with(list(paths), model.spec, model.predict, batch_size, top_k)

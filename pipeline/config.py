@@ -7,12 +7,22 @@ it only when a config is built for a real run.
 from __future__ import annotations
 
 import dataclasses
-import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.checks import (
+    DURATION_FIELDS,
+    at_least,
+    check_types,
+    choice,
+    duration_field,
+    expanded,
+    learning_rate,
+    parse_int_list,
+    type_error,
+)
 from stages.runtimes import made_by_quantize
 
 DATASET_NAMES = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder")
@@ -27,78 +37,15 @@ ORT_FORMATS = ("qdq", "qoperator")
 EQUALIZED_METHODS = ("torch-static", "ort-static")
 
 
-TYPE_NAMES = {"bool": "true or false", "int": "a whole number", "float": "a number",
-              "str": "a string", "tuple[str, ...]": "a list of strings or a comma list",
-              "tuple[int, ...]": "a list of whole numbers or a comma list"}
-
-
-def _fits(value: Any, kind: str) -> bool:
-    """Whether ``value`` has the type a dataclass field declares (declared as a string)."""
-    if kind.endswith(" | None"):
-        return value is None or _fits(value, kind[: -len(" | None")])
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind == "str":
-        return isinstance(value, str)
-    if kind.startswith("tuple["):
-        element = kind[len("tuple["):].split(",")[0]
-        return isinstance(value, str) or (isinstance(value, (list, tuple)) and all(
-            _fits(item, element) for item in value))
-    return True
-
-
-def type_error(cls, values: dict[str, Any]) -> str | None:
-    """The first value whose type its field does not allow, as 'name: expected, got value'."""
-    kinds = {f.name: f.type for f in dataclasses.fields(cls)}
-    for name, value in values.items():
-        kind = kinds.get(name)
-        if kind is not None and not _fits(value, kind):
-            wanted = TYPE_NAMES.get(kind.removesuffix(" | None"), kind)
-            return f"must be {wanted}, got {value!r}"
-    return None
-
-
-def _check_types(config) -> None:
-    """Flags arrive typed by Click; other callers (a TOML file, Python code) may not."""
-    for field in dataclasses.fields(config):
-        problem = type_error(type(config), {field.name: getattr(config, field.name)})
-        if problem:
-            raise ValueError(f"--{field.name.replace('_', '-')} {problem}")
-
-
-def _expanded(flag: str, text: str) -> Path:
-    """The path with ~ expanded: '~name' of a user this machine does not have is a usage error
-    (pathlib raises RuntimeError), not a traceback."""
-    try:
-        return Path(text).expanduser()
-    except RuntimeError:
-        raise ValueError(f"{flag} {text!r}: '~' names no user or home directory here; give the "
-                         "path in full") from None
-
-
-def _choice(flag: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"{flag} {value!r} is not one of: {', '.join(map(str, allowed))}")
-
-
-def _at_least(flag: str, value: float, low: float) -> None:
-    if not value >= low:  # also refuses NaN
-        raise ValueError(f"{flag} must be at least {low}, got {value}")
-
-
 def _check_data_flags(config) -> None:
     """The flags train and import share: the data, its split and size, and the model's name."""
-    _choice("--dataset", config.dataset, DATASET_NAMES)
-    _expanded("--data-dir", config.data_dir)
+    choice("--dataset", config.dataset, DATASET_NAMES)
+    expanded("--data-dir", config.data_dir)
     if not 0.0 < config.val_fraction < 1.0:
         raise ValueError(f"--val-fraction must be between 0 and 1, got {config.val_fraction}")
     if config.in_channels is not None:
-        _choice("--in-channels", config.in_channels, (1, 3))
-    _at_least("--image-size", config.image_size, 8)
+        choice("--in-channels", config.in_channels, (1, 3))
+    at_least("--image-size", config.image_size, 8)
     from stages.models.build import check_model_name
 
     check_model_name(config.model)
@@ -138,27 +85,27 @@ class TrainConfig:
     quiet: bool = False
 
     def __post_init__(self) -> None:
-        _tuning_time(self, "time")  # '10m' as seconds, before the types are checked
-        _check_types(self)
+        duration_field(self, "time")  # '10m' as seconds, before the types are checked
+        check_types(self)
         _check_data_flags(self)
         if self.init_weights and self.weights:
             raise ValueError("--init-weights and --weights both name starting weights; give one")
-        if self.init_weights and not _expanded("--init-weights", self.init_weights).is_file():
+        if self.init_weights and not expanded("--init-weights", self.init_weights).is_file():
             raise ValueError(f"--init-weights {self.init_weights!r} is not a file")
-        _at_least("--workers", self.workers, 0)
+        at_least("--workers", self.workers, 0)
         if not self.loader_timeout > 0:
             raise ValueError(f"--loader-timeout must be greater than 0, got {self.loader_timeout}")
-        _at_least("--checkpoint-every", self.checkpoint_every, 0)
-        _at_least("--keep-checkpoints", self.keep_checkpoints, 1)
-        _at_least("--max-skipped-steps", self.max_skipped_steps, 1)
-        _choice("--precision", self.precision, PRECISIONS)
-        _choice("--device", self.device, DEVICES)
-        _at_least("--epochs", self.epochs, 1)
-        _at_least("--patience", self.patience, 1)
-        _at_least("--batch-size", self.batch_size, 1)
-        self.lr = _learning_rate(self.lr)
-        _at_least("--weight-decay", self.weight_decay, 0.0)
-        _at_least("--grad-clip", self.grad_clip, 0.0)
+        at_least("--checkpoint-every", self.checkpoint_every, 0)
+        at_least("--keep-checkpoints", self.keep_checkpoints, 1)
+        at_least("--max-skipped-steps", self.max_skipped_steps, 1)
+        choice("--precision", self.precision, PRECISIONS)
+        choice("--device", self.device, DEVICES)
+        at_least("--epochs", self.epochs, 1)
+        at_least("--patience", self.patience, 1)
+        at_least("--batch-size", self.batch_size, 1)
+        self.lr = learning_rate(self.lr)
+        at_least("--weight-decay", self.weight_decay, 0.0)
+        at_least("--grad-clip", self.grad_clip, 0.0)
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
 
@@ -180,11 +127,11 @@ class ImportConfig:
     quiet: bool = False
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_types(self)
         if not self.weights:
             raise ValueError("--weights is required: the file (or torchvision weights name) to "
                              "import")
-        _expanded("--weights", self.weights)
+        expanded("--weights", self.weights)
         _check_data_flags(self)
 
 
@@ -210,22 +157,22 @@ class QatConfig:
     quiet: bool = False
 
     def __post_init__(self) -> None:
-        _tuning_time(self)
-        _check_types(self)
-        _at_least("--epochs", self.epochs, 1)
+        duration_field(self)
+        check_types(self)
+        at_least("--epochs", self.epochs, 1)
         if not self.lr > 0:
             raise ValueError(f"--lr must be greater than 0, got {self.lr}")
-        _at_least("--batch-size", self.batch_size, 1)
+        at_least("--batch-size", self.batch_size, 1)
         # Scaled with --epochs, so that a shorter or longer run still freezes partway.
         if self.freeze_bn_after is None:
             self.freeze_bn_after = max(1, self.epochs // 2)
         if self.freeze_observers_after is None:
             self.freeze_observers_after = max(1, self.epochs * 7 // 10)
-        _at_least("--freeze-bn-after", self.freeze_bn_after, 0)
+        at_least("--freeze-bn-after", self.freeze_bn_after, 0)
         # 0 would leave the observers off from the first step: ranges never measured.
-        _at_least("--freeze-observers-after", self.freeze_observers_after, 1)
-        _choice("--precision", self.precision, PRECISIONS)
-        _choice("--device", self.device, DEVICES)
+        at_least("--freeze-observers-after", self.freeze_observers_after, 1)
+        choice("--precision", self.precision, PRECISIONS)
+        choice("--device", self.device, DEVICES)
 
 
 @dataclass
@@ -240,80 +187,34 @@ class QuantizeConfig:
     auto: bool = False
     max_accuracy_drop: float = 1.0
     tuning_time: float | None = None  # seconds each static backend's search may take
-    # Cross-layer equalization before torch-static and ort-static (stages/quantization/equalization):
-    # None: where weights are per-tensor (ort-static's default), and tried by --auto elsewhere.
+    # Cross-layer equalization before torch-static and ort-static
+    # (stages/quantization/equalization): None: where weights are per-tensor (ort-static's
+    # default), and tried by --auto elsewhere.
     equalize: bool | None = None
     seed: int = 0
     quiet: bool = False
 
     def __post_init__(self) -> None:
-        _tuning_time(self)
-        _check_types(self)
+        duration_field(self)
+        check_types(self)
         if isinstance(self.methods, str):
             self.methods = parse_methods(self.methods)
         self.methods = tuple(self.methods)
         for method in self.methods:
-            _choice("--methods", method, QUANT_METHODS + ("all",))
+            choice("--methods", method, QUANT_METHODS + ("all",))
         if not self.methods:
             raise ValueError(f"--methods is empty; choose from: all, {', '.join(QUANT_METHODS)}")
-        _at_least("--calibration-samples", self.calibration_samples, 1)
-        _at_least("--calibration-batch-size", self.calibration_batch_size, 1)
+        at_least("--calibration-samples", self.calibration_samples, 1)
+        at_least("--calibration-batch-size", self.calibration_batch_size, 1)
         if self.calibration_method is not None:
-            _choice("--calibration-method", self.calibration_method, CALIBRATION_METHODS)
-        _choice("--ort-types", self.ort_types, ORT_TYPES)
-        _choice("--ort-format", self.ort_format, ORT_FORMATS)
-        _at_least("--max-accuracy-drop", self.max_accuracy_drop, 0.0)
+            choice("--calibration-method", self.calibration_method, CALIBRATION_METHODS)
+        choice("--ort-types", self.ort_types, ORT_TYPES)
+        choice("--ort-format", self.ort_format, ORT_FORMATS)
+        at_least("--max-accuracy-drop", self.max_accuracy_drop, 0.0)
         if self.equalize and not set(self.methods) & set(EQUALIZED_METHODS):
             raise ValueError(
                 f"--equalize applies to {' and '.join(EQUALIZED_METHODS)} only, and --methods "
                 f"{','.join(self.methods)} has neither; add one of them or drop --equalize")
-
-
-def _learning_rate(value: Any) -> float | str:
-    """--lr: a positive number, or "auto" for a range test."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    try:
-        number = float(value) if not isinstance(value, bool) else math.nan
-    except (TypeError, ValueError):
-        number = math.nan
-    if not number > 0 or number == math.inf:
-        raise ValueError(f"--lr must be a positive number or auto, got {value!r}")
-    return number
-
-
-DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
-DURATION_FIELDS = ("tuning_time", "time")
-
-
-def _tuning_time(config, field: str = "tuning_time") -> None:
-    """A duration field (--tuning-time, --time) as seconds: a duration such as '5m' parsed,
-    anything else refused."""
-    flag, value = f"--{field.replace('_', '-')}", getattr(config, field)
-    if isinstance(value, str):
-        value = parse_duration(flag, value)
-        setattr(config, field, value)
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return  # _check_types names the type
-    if not value > 0:
-        raise ValueError(f"{flag} must be a positive duration, got {value}")
-
-
-def parse_duration(flag: str, text: str) -> float:
-    """Seconds of '90', '90s', '5m', '1.5h'."""
-    cleaned = text.strip().lower()
-    unit = DURATION_UNITS.get(cleaned[-1:], None)
-    number = cleaned[:-1] if unit else cleaned
-    try:
-        seconds = float(number) * (unit or 1)
-    except ValueError:
-        raise ValueError(f"{flag} {text!r} is not a duration; give one such as 90s, 5m or "
-                         "1h") from None
-    if not seconds > 0 or seconds != seconds or seconds == float("inf"):
-        raise ValueError(f"{flag} {text!r} is not a duration; give one such as 90s, 5m or 1h")
-    return seconds
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
@@ -321,7 +222,7 @@ def parse_methods(text: str) -> tuple[str, ...]:
     as onnx-fp32 for ort-static, is made first where the run lacks it)."""
     names = [part.strip() for part in text.split(",") if part.strip()]
     for name in names:
-        _choice("--methods", name, QUANT_METHODS + ("all",))
+        choice("--methods", name, QUANT_METHODS + ("all",))
     if "all" in names:
         return QUANT_METHODS
     return tuple(m for m in QUANT_METHODS if m in names)
@@ -347,8 +248,8 @@ class ReportConfig:
     quiet: bool = False
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _choice("--device", self.device, DEVICES)
+        check_types(self)
+        choice("--device", self.device, DEVICES)
         if isinstance(self.compare, str):
             self.compare = (self.compare,)
         self.compare = tuple(name.strip() for item in self.compare for name in item.split(",")
@@ -359,21 +260,32 @@ class ReportConfig:
         if not self.batch_sizes:
             raise ValueError("--batch-sizes is empty; give numbers such as 1,32")
         for size in self.batch_sizes:
-            _at_least("--batch-sizes", size, 1)
-        _at_least("--threads", self.threads, 0)
-        _at_least("--warmup", self.warmup, 1)  # compiled variants build their graph there
-        _at_least("--rounds", self.rounds, 3)
-        _at_least("--max-rounds", self.max_rounds, self.rounds)
-        _at_least("--repeats", self.repeats, 0)
+            at_least("--batch-sizes", size, 1)
+        at_least("--threads", self.threads, 0)
+        at_least("--warmup", self.warmup, 1)  # compiled variants build their graph there
+        at_least("--rounds", self.rounds, 3)
+        at_least("--max-rounds", self.max_rounds, self.rounds)
+        at_least("--repeats", self.repeats, 0)
         if self.repeats and self.rounds * self.repeats < 20:  # a p90 needs calls to stand on
             raise ValueError(f"--rounds x --repeats must give at least 20 timed calls, got "
                              f"{self.rounds} x {self.repeats}")
-        _at_least("--target-interval", self.target_interval, 1.0)
+        at_least("--target-interval", self.target_interval, 1.0)
         if not self.timing_budget > 0:
             raise ValueError(f"--timing-budget must be greater than 0, got {self.timing_budget}")
-        _at_least("--max-accuracy-drop", self.max_accuracy_drop, 0.0)
-        _at_least("--fail-under-speedup", self.fail_under_speedup, 0.0)
-        _at_least("--fail-under-float-speedup", self.fail_under_float_speedup, 0.0)
+        at_least("--max-accuracy-drop", self.max_accuracy_drop, 0.0)
+        at_least("--fail-under-speedup", self.fail_under_speedup, 0.0)
+        at_least("--fail-under-float-speedup", self.fail_under_float_speedup, 0.0)
+
+
+def check_compare_runs(config: ReportConfig, artifacts_dir: Path) -> None:
+    """--compare names runs of artifacts_dir: checked before any stage of the chain starts."""
+    from stages.run.artifacts import list_runs
+
+    known = list_runs(artifacts_dir)
+    missing = [name for name in config.compare or () if name not in known]
+    if missing:
+        raise ValueError(f"--compare: no run {', '.join(map(repr, missing))} in {artifacts_dir}; "
+                         f"existing runs: {', '.join(known) or 'none'}")
 
 
 @dataclass
@@ -388,16 +300,16 @@ class PredictConfig:
     threads: int = 0
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_types(self)
         self.paths = tuple(self.paths)
         if not self.paths:
             raise ValueError("predict needs image files or folders: pipeline predict PATH...")
         for path in self.paths:
-            if not _expanded("PATH", path).exists():
+            if not expanded("PATH", path).exists():
                 raise ValueError(f"{path} does not exist; give image files or folders")
-        _at_least("--top-k", self.top_k, 1)
-        _at_least("--batch-size", self.batch_size, 1)
-        _at_least("--threads", self.threads, 0)
+        at_least("--top-k", self.top_k, 1)
+        at_least("--batch-size", self.batch_size, 1)
+        at_least("--threads", self.threads, 0)
 
 
 @dataclass
@@ -409,17 +321,10 @@ class ExportConfig:
     quiet: bool = False
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_types(self)
         if not self.out_dir:
             raise ValueError("export needs the folder to write: pipeline export OUT_DIR")
-        _expanded("OUT_DIR", self.out_dir)
-
-
-def parse_int_list(flag: str, text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise ValueError(f"{flag} takes whole numbers separated by commas, got {text!r}") from None
+        expanded("OUT_DIR", self.out_dir)
 
 
 STAGE_CONFIGS = {"train": TrainConfig, "import": ImportConfig, "qat": QatConfig,
@@ -457,3 +362,16 @@ def build_config(stage: str, file_values: dict[str, Any], flag_values: dict[str,
     values = dict(file_values)
     values.update({k: v for k, v in flag_values.items() if v is not None})
     return STAGE_CONFIGS[stage](**values)
+
+
+def qat_config_for_auto(quantize: QuantizeConfig, file_values: dict[str, dict],
+                        **given: Any) -> QatConfig | None:
+    """What quantize --auto fine-tunes with where post-training int8 misses the budget: the
+    qat stage's defaults and [qat] table, in quantize's --tuning-time unless [qat] sets its
+    own; None without --auto. Built beside quantize's config, so that a bad [qat] table stops
+    the command before any work starts."""
+    if not quantize.auto:
+        return None
+    table = file_values.get("qat", {})
+    inherited = {} if "tuning_time" in table else {"tuning_time": quantize.tuning_time}
+    return build_config("qat", table, given | inherited)

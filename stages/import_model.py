@@ -15,8 +15,9 @@ from stages.data.datasets import expected_shape, load_splits, record_preprocessi
 from stages.measure.evaluate import dataset_accuracy
 from stages.models.build import build_model, check_model_fits, model_spec
 from stages.models.weights import load_into, pretrained_file, read_state_dict
-from stages.run.artifacts import Run, atomic_torch_save, sha256_file
+from stages.run.artifacts import Run
 from stages.run.checkpoints import cpu_state_dict
+from stages.run.files import atomic_torch_save, sha256_file
 from stages.run.progress import say
 
 

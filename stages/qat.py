@@ -4,38 +4,33 @@ quantization loses too much.
 
 torchvision's quantization recipe, scaled to a small data set (10 epochs by default): a low
 learning rate, BatchNorm statistics frozen after half the epochs and the quantization ranges
-after 70% of them, the epoch with the best validation accuracy kept. The result is `torch-qat`,
-and `ort-qat` where the ONNX export of its QDQ graph holds; both are reported like every other
-variant.
+after 70% of them, the epoch with the best validation accuracy kept. The epochs are
+stages/training/loop.py's `fit`, the loop train drives too; this stage adds its freezes, scoring
+with the observers off, the --tuning-time plan (stages/training/plans.py) and its divergence
+check. The fine-tuned graph goes to the variants registered for this stage
+(stages/runtimes/qat.py): `torch-qat`, and `ort-qat` where the ONNX export of its QDQ graph
+holds; both are reported like every other variant.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
-from typing import NamedTuple
+from dataclasses import dataclass
+from functools import partial
 
-from stages.data.datasets import (
-    EpochSampler,
-    calibration_batches,
-    make_loader,
-    validation_halves,
-)
-from stages.measure.evaluate import PARITY_MIN_AGREEMENT, compare_logits, dataset_accuracy
+from stages import runtimes
+from stages.data.loaders import EpochSampler, make_loader
+from stages.data.subsets import validation_halves
+from stages.measure.evaluate import dataset_accuracy
 from stages.run.artifacts import Run
 from stages.run.errors import Diverged, PipelineError
-from stages.run.progress import progress, say
-from stages.runtimes import onnx_export, qdq_onnx
-from stages.runtimes import pytorch as torch_runtime
+from stages.run.progress import say
+from stages.runtimes import qat as qat_runtime
 from stages.runtimes.context import QuantContext, context
-from stages.runtimes.onnxruntime import onnx_op_counts, ort_predict, ort_session
-from stages.training import batchnorm
-from stages.training.loop import CosineSchedule, DeviceSums, Parts, decay_groups, train_step
-from stages.training.precision import (
-    Precision,
-    grad_scaler,
-    resolve_device,
-    seed_everything,
-)
+from stages.training import batchnorm, plans
+from stages.training.loop import CosineSchedule, Hooks, Loop, Parts, decay_groups, fit
+from stages.training.precision import Precision, grad_scaler, resolve_device, seed_everything
 
 
 def switch_off_stochastic_depth(model) -> list[str]:
@@ -79,19 +74,24 @@ def _precision(config) -> Precision:
     return Precision("fp32" if config.precision == "auto" else config.precision)
 
 
-def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict]:
-    """The prepared QAT graph after fine-tuning (the epoch best on the validation half it
-    chooses on), and its history."""
-    import torch
+@dataclass
+class Tuning:
+    """One fine-tuning as its hooks see it: the loop, the graph it trains, the plan (cut by
+    --tuning-time), and the half of the validation split it chooses its epoch on."""
 
-    quantize_pt2e, _ = torch_runtime._pt2e()
-    from torchao.quantization.pt2e import (
-        allow_exported_model_train_eval,
-        disable_observer,
-        enable_observer,
-        move_exported_model_to_eval,
-        move_exported_model_to_train,
-    )
+    config: object
+    loop: Loop
+    graph: object
+    calibration: object  # training images that recompute BatchNorm statistics
+    choosing: object
+    plan: plans.Plan
+    started: float
+
+
+def fine_tune(config, ctx: QuantContext, device) -> qat_runtime.FineTuned:
+    """The prepared QAT graph after fine-tuning (the epoch best on the validation half it
+    chooses on, observers off), and the stage's record."""
+    import torch
 
     seed_everything(config.seed)
     splits = ctx.splits
@@ -101,89 +101,116 @@ def fine_tune(config, run: Run, ctx: QuantContext, device) -> tuple[object, dict
         say(f"qat: stochastic depth switched off in {len(stochastic_depth_off)} blocks for "
             "fine-tuning (exported for training it would stay random in the int8 model)",
             quiet=config.quiet)
-    graph = torch_runtime.export_graph(model, ctx.spec, train=True)
-    options = torch_runtime.pt2e_options()
-    prepared = quantize_pt2e.prepare_qat_pt2e(
-        graph, torch_runtime.make_quantizer(options, qat=True)).to(device)
-    allow_exported_model_train_eval(prepared)  # .eval() where scoring calls it
-    move_exported_model_to_eval(prepared)
-    refuse_random_ops(prepared, ctx.spec["model"])
+    graph = qat_runtime.prepare(model, ctx.spec, device)
+    refuse_random_ops(graph, ctx.spec["model"])
     # The epoch is chosen on half the validation split; the report judges torch-qat on the other.
     choosing = torch.utils.data.Subset(splits.val, validation_halves(len(splits.val))[0])
+    tuning = Tuning(config, _loop(config, graph, splits, device), graph, splits.calibration,
+                    choosing, plans.Plan(config.epochs, config.freeze_bn_after,
+                                         config.freeze_observers_after), time.perf_counter())
+    fit(tuning.loop, _hooks(tuning))
+    graph.eval()
+    plan = tuning.plan
+    return qat_runtime.FineTuned(graph.cpu(), {
+        "lr": config.lr, "tuning_time_s": config.tuning_time, "history": tuning.loop.history,
+        "precision": tuning.loop.precision.name, "stochastic_depth_off": stochastic_depth_off,
+        "seconds": time.perf_counter() - tuning.started, "epochs": plan.epochs,
+        "freeze_bn_after": plan.freeze_bn_after,
+        "freeze_observers_after": plan.freeze_observers_after, "epochs_asked": config.epochs})
+
+
+def _loop(config, graph, splits, device) -> Loop:
+    """SGD with momentum, no Nesterov, weight decay 5e-4 and a cosine schedule without
+    warm-up (cut where --tuning-time cuts the epochs); no gradient clipping."""
+    import torch
+
     sampler = EpochSampler(len(splits.train), config.seed)
     loader = make_loader(splits.train, config.batch_size, sampler)
-    optimizer = torch.optim.SGD(decay_groups(prepared, 5e-4), lr=config.lr, momentum=0.9)
-    plan = Plan(config.epochs, config.freeze_bn_after, config.freeze_observers_after)
-    schedule = CosineSchedule(plan.epochs * len(loader), 0)  # re-planned where epochs are cut
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    optimizer = torch.optim.SGD(decay_groups(graph, 5e-4), lr=config.lr, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, CosineSchedule(config.epochs * len(loader), 0))
     precision = _precision(config)
-    parts = Parts(prepared, prepared, optimizer, scheduler, grad_scaler(precision, device),
+    parts = Parts(graph, graph, optimizer, scheduler, grad_scaler(precision, device),
                   torch.nn.CrossEntropyLoss(), sampler, loader, [])
-    advice = f"lower --lr (now {config.lr:g})" + (
-        " or use --precision fp32" if precision.name != "fp32" else "")
-    history, best, best_acc, step = [], None, -1.0, 0
-    started = time.perf_counter()
-    epoch = 0
-    while epoch < plan.epochs:
-        epoch += 1
-        move_exported_model_to_train(prepared)
-        if epoch > plan.freeze_observers_after:
-            prepared.apply(disable_observer)
-        if epoch > plan.freeze_bn_after:
-            batchnorm.freeze_graph(prepared)
-        sampler.set_epoch(epoch)
-        sums = DeviceSums(device)
-        try:
-            for images, labels in progress(loader, desc=f"qat {epoch}/{plan.epochs}",
-                                           quiet=config.quiet, total=len(loader)):
-                train_step(parts, precision, device, _LoopConfig, images, labels, sums, step)
-                step += 1
-        except AssertionError:
-            # torchao's observers assert min <= max, which NaN fails: weights that diverged
-            # reach an observer in the next forward, before the epoch's loss check (mnasnet0_5
-            # on notMNIST, 2026-12-02, in its first epoch). Told apart from any other assertion
-            # by the model's own state, not by torchao's wording.
-            if not _has_non_finite(prepared):
-                raise
-            raise Diverged(
-                f"qat: the fake-quantized model diverged at epoch {epoch} step "
-                f"{step % len(loader) + 1}: its weights or activations became NaN or infinite; "
-                f"{advice}") from None
-        seen = sums.read()
-        if seen["first_bad"] >= 0:
-            raise Diverged(f"qat: the loss became NaN or infinite at epoch {epoch}; {advice}")
-        if epoch <= plan.freeze_bn_after:  # the statistics it will be frozen with
-            batchnorm.recompute_graph(prepared, splits.calibration, config.batch_size, device)
-        move_exported_model_to_eval(prepared)
-        # Observers left on would fit the quantization ranges to the validation images while
-        # scoring them: ranges come from training images only.
-        prepared.apply(disable_observer)
-        val_acc = dataset_accuracy(prepared, choosing, device)
-        if val_acc > best_acc:  # kept with its observers off, as it was scored
-            best_acc, best = val_acc, copy.deepcopy(prepared.state_dict())
-        history.append({"epoch": epoch, "loss": seen["loss"] / seen["seen"],
-                        "train_accuracy": seen["correct"] / seen["seen"],
-                        "val_accuracy": val_acc, "seconds": time.perf_counter() - started})
-        say(f"qat epoch {epoch}/{plan.epochs}: loss {history[-1]['loss']:.4f} validation "
-            f"accuracy {val_acc:.3f} (fake-quantized)", quiet=config.quiet)
-        cut = fitted_plan(config, epoch, history[-1]["seconds"])
-        if cut.epochs < plan.epochs:
-            plan = cut
-            schedule.total_steps = plan.epochs * len(loader)
-            say(f"qat: --tuning-time {config.tuning_time:g}s fits {plan.epochs} of "
-                f"{config.epochs} epochs at {history[-1]['seconds'] / epoch:.0f} s each; "
-                f"BatchNorm frozen after {plan.freeze_bn_after}, ranges after "
-                f"{plan.freeze_observers_after}", quiet=config.quiet)
-        if epoch < plan.freeze_observers_after:
-            prepared.apply(enable_observer)
-    prepared.load_state_dict(best)
-    move_exported_model_to_eval(prepared)
-    return prepared.cpu(), {"history": history, "precision": precision.name,
-                            "stochastic_depth_off": stochastic_depth_off,
-                            "seconds": time.perf_counter() - started,
-                            "epochs": plan.epochs, "freeze_bn_after": plan.freeze_bn_after,
-                            "freeze_observers_after": plan.freeze_observers_after,
-                            "epochs_asked": config.epochs}
+    return Loop("qat", parts, precision, device, config.epochs, config.batch_size,
+                quiet=config.quiet)
+
+
+def _hooks(tuning: Tuning) -> Hooks:
+    """What qat adds to the loop: its freezes, scoring with the observers off, the
+    --tuning-time plan, and Diverged where the loss or the weights become NaN."""
+    return Hooks(score=partial(_score, tuning), start_epoch=partial(_freeze, tuning),
+                 check=lambda seen, epoch, epoch_start: _check_loss(tuning, seen, epoch),
+                 end_epoch=lambda epoch, record, improved: _end_epoch(tuning, epoch, record),
+                 guard=lambda epoch, data_iterator: _divergence(tuning, epoch))
+
+
+def _freeze(tuning: Tuning, epoch: int) -> None:
+    """At the start of an epoch, in training mode: the freezes the plan has reached."""
+    if epoch > tuning.plan.freeze_observers_after:
+        qat_runtime.observe(tuning.graph, False)
+    if epoch > tuning.plan.freeze_bn_after:
+        batchnorm.freeze_graph(tuning.graph)
+
+
+def _advice(tuning: Tuning) -> str:
+    return f"lower --lr (now {tuning.config.lr:g})" + (
+        " or use --precision fp32" if tuning.loop.precision.name != "fp32" else "")
+
+
+@contextlib.contextmanager
+def _divergence(tuning: Tuning, epoch: int):
+    """torchao's observers assert min <= max, which NaN fails: weights that diverged reach an
+    observer in the next forward, before the loss is checked (mnasnet0_5 on notMNIST,
+    2026-12-02, in its first epoch). Told apart from any other assertion by the model's own
+    state, not by torchao's wording."""
+    try:
+        yield
+    except AssertionError:
+        if not _has_non_finite(tuning.graph):
+            raise
+        raise Diverged(
+            f"qat: the fake-quantized model diverged at epoch {epoch} step "
+            f"{tuning.loop.pos['step_in_epoch'] + 1}: its weights or activations became NaN "
+            f"or infinite; {_advice(tuning)}") from None
+
+
+def _check_loss(tuning: Tuning, seen: dict, epoch: int) -> None:
+    if seen["first_bad"] >= 0:
+        raise Diverged(f"qat: the loss became NaN or infinite at epoch {epoch}; "
+                       f"{_advice(tuning)}")
+
+
+def _score(tuning: Tuning, epoch: int) -> float:
+    """The fake-quantized graph's accuracy on the half of the validation split it chooses on.
+    Observers left on would fit the quantization ranges to the validation images while scoring
+    them: ranges come from training images only, and the best epoch is kept as scored."""
+    graph, loop = tuning.graph, tuning.loop
+    if epoch <= tuning.plan.freeze_bn_after:  # the statistics it will be frozen with
+        batchnorm.recompute_graph(graph, tuning.calibration, tuning.config.batch_size,
+                                  loop.device)
+    graph.eval()
+    qat_runtime.observe(graph, False)
+    return dataset_accuracy(graph, tuning.choosing, loop.device)
+
+
+def _end_epoch(tuning: Tuning, epoch: int, record: dict) -> None:
+    """Say how the epoch went, plan the epochs that fit --tuning-time, and let the observers
+    go on where the plan has not frozen them."""
+    config = tuning.config
+    record["seconds"] = time.perf_counter() - tuning.started
+    say(f"qat epoch {epoch}/{tuning.plan.epochs}: loss {record['loss']:.4f} validation "
+        f"accuracy {record['val_accuracy']:.3f} (fake-quantized)", quiet=config.quiet)
+    cut = plans.fitted_plan(config, epoch, record["seconds"])
+    if cut.epochs < tuning.plan.epochs:
+        tuning.plan = cut
+        plans.cut(tuning.loop, cut.epochs)
+        say(f"qat: --tuning-time {config.tuning_time:g}s fits {cut.epochs} of "
+            f"{config.epochs} epochs at {record['seconds'] / epoch:.0f} s each; BatchNorm "
+            f"frozen after {cut.freeze_bn_after}, ranges after {cut.freeze_observers_after}",
+            quiet=config.quiet)
+    if epoch < tuning.plan.freeze_observers_after:
+        qat_runtime.observe(tuning.graph, True)
 
 
 def _has_non_finite(model) -> bool:
@@ -195,81 +222,14 @@ def _has_non_finite(model) -> bool:
             or any(b.is_floating_point() and torch.isnan(b).any() for b in model.buffers()))
 
 
-class Plan(NamedTuple):
-    epochs: int
-    freeze_bn_after: int
-    freeze_observers_after: int
-
-
-def fitted_plan(config, done: int, seconds: float) -> Plan:
-    """The epochs that fit config.tuning_time at the pace of the ``done`` epochs so far (which
-    took ``seconds``), never fewer than those done, with each freeze scaled alike so that a cut
-    run still trains, then freezes BatchNorm, then the ranges."""
-    asked = Plan(config.epochs, config.freeze_bn_after, config.freeze_observers_after)
-    if config.tuning_time is None:
-        return asked
-    fits = max(done, min(config.epochs, int(config.tuning_time * done / max(seconds, 1e-9))))
-
-    def scaled(after: int) -> int:
-        return after if after == 0 else max(1, after * fits // config.epochs)
-
-    return Plan(fits, scaled(config.freeze_bn_after), scaled(config.freeze_observers_after))
-
-
-class _LoopConfig:
-    """What train_step reads from a training config: no clipping in fine-tuning."""
-
-    grad_clip = 0.0
-
-
-def export_qdq(ctx: QuantContext, graph) -> dict | None:
-    """`ort-qat`: the converted QAT graph exported to ONNX, where the exporter manages it; its
-    quantize/dequantize pairs become QuantizeLinear/DequantizeLinear (a QDQ model)."""
-    path = ctx.folder / "ort-qat.onnx"
-    images = ctx.check_images()
-    try:
-        onnx_export.export_onnx(graph, images[:2], path)
-    except PipelineError as exc:
-        say(f"qat: ort-qat not made: {exc}", quiet=ctx.config.quiet)
-        return None
-    completed = qdq_onnx.complete_for_onnx_runtime(path, calibration_batches(
-        ctx.splits, qdq_onnx.RESIDUAL_CALIBRATION_IMAGES, 64, ctx.config.seed))
-    reference = ctx.logits_of("torch-qat", images)
-    parity = compare_logits(reference, ort_predict(ort_session(path, threads=1), images))
-    if parity["top1_agreement"] < PARITY_MIN_AGREEMENT:
-        cause = qdq_onnx.bias_rounding_cause(path, reference, images)
-        path.unlink()
-        say(f"qat: ort-qat not kept: ONNX Runtime agrees with torch-qat on only "
-            f"{parity['top1_agreement']:.1%} of training images (max logit difference "
-            f"{parity['max_abs_diff']:.3g}) once it fuses the QDQ pairs into its int8 kernels"
-            + cause, quiet=ctx.config.quiet)
-        return None
-    info = {"exporter": "torch.onnx.export(dynamo=True) of torch-qat", **completed,
-            "parity_vs_torch_qat": parity}
-    ctx.register("ort-qat", path, info, fmt="onnx", op_counts=onnx_op_counts(path))
-    return info
-
-
 def run(config, run: Run) -> list[str]:
-    """Fine-tune, convert, save and check `torch-qat`, then export `ort-qat`."""
-    import torch
-
+    """Fine-tune, then make each variant registered for this stage from the fine-tuned graph
+    (`torch-qat`, then `ort-qat` from it); the names of those made."""
     device = resolve_device(config.device)
+    made = []
     with context(run, config, "qat") as ctx:
-        splits = ctx.splits
-        prepared, record = fine_tune(config, run, ctx, device)
-        quantize_pt2e, _ = torch_runtime._pt2e()
-        converted = torch_runtime.plain_graph(quantize_pt2e.convert_pt2e(prepared))
-        judging = torch.utils.data.Subset(splits.val, validation_halves(len(splits.val))[1])
-        reference = dataset_accuracy(ctx.float_model(), judging)
-        qat_acc = dataset_accuracy(converted, judging)
-        recipe = {"options": torch_runtime.pt2e_options(), "float_layers": [], "qat": True}
-        info = recipe | {"lr": config.lr, "tuning_time_s": config.tuning_time,
-                         "validation_drop_points": (reference - qat_acc) * 100, **record}
-        torch_runtime._finish(ctx, "torch-qat", converted, recipe, info)
-        made = ["torch-qat"]
-        if export_qdq(ctx, converted) is not None:
-            made.append("ort-qat")
-    say(f"qat: torch-qat scores {qat_acc:.2%} against the float model's {reference:.2%} on the "
-        f"half of the validation split it did not choose its epoch on", quiet=config.quiet)
+        tuned = fine_tune(config, ctx, device)
+        for name, registered in runtimes.VARIANTS.items():
+            if registered.stage == "qat" and registered.make(ctx, tuned) is not None:
+                made.append(name)
     return made

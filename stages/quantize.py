@@ -4,7 +4,8 @@ The float model is `amp` (or `fp32` where a run has no `amp`, as after `pipeline
 Calibration uses training images only; every choice (--auto, the accuracy budget, layers kept
 float) is scored on held-out training images, never on the test split. Every variant is written
 atomically, reloaded from disk, checked against what it predicted before it was written, and
-registered in the manifest with what it contains.
+registered in the manifest with what it contains. With --auto, where no post-training
+configuration keeps within the accuracy budget, it goes on to quantization-aware training.
 """
 from __future__ import annotations
 
@@ -24,23 +25,26 @@ def plan(run: Run, methods: tuple[str, ...]) -> list[str]:
         while source and source not in wanted and source not in run.artifacts():
             wanted.add(source)
             source = source_of(run, source)
-    unmade = [n for n in wanted if runtimes.VARIANTS[n].make is None
+    unmade = [n for n in wanted if runtimes.VARIANTS[n].stage != "quantize"
               and n not in run.artifacts()]
     if unmade:
         raise UsageError(f"{', '.join(unmade)} cannot be made by quantize; "
                          "torch-qat and ort-qat come from 'pipeline qat'")
     return [name for name in runtimes.VARIANTS if name in wanted and
-            runtimes.VARIANTS[name].make is not None]
+            runtimes.VARIANTS[name].stage == "quantize"]
 
 
-def run(config, run: Run) -> dict[str, dict]:
-    """Make each variant config.methods asks for (all by default) from the run's float model."""
+def run(config, run: Run, qat_config=None) -> list[str]:
+    """Make each variant config.methods asks for (all by default) from the run's float model;
+    with config.auto, go on to quantization-aware training with ``qat_config`` (the qat stage's
+    config; None: stop at post-training quantization) where no post-training configuration
+    kept within the budget. The variants made, in order; one whose search kept nothing is
+    named too, and is not in the manifest."""
     names = plan(run, config.methods)
     with context(run, config, "quantize", defer_compiles=True) as ctx:
-        results = {}
         for name in names:
             say(f"quantize: {name} ...", quiet=config.quiet)
-            results[name] = runtimes.VARIANTS[name].make(ctx)
+            runtimes.VARIANTS[name].make(ctx)
             if name not in ctx.deferred and name not in ctx.refused:
                 _made(run, name, config.quiet)
         for name, check in ctx.deferred.items():
@@ -49,7 +53,29 @@ def run(config, run: Run) -> dict[str, dict]:
             _made(run, name, config.quiet)
         run.record_config("quantize", run.recorded_config("quantize") | {
             "not_kept": ctx.refused})
-    return {name: results[name] for name in names}
+    if config.auto and qat_config is not None:
+        return names + escalate_to_qat(run, names, config.max_accuracy_drop, qat_config)
+    return names
+
+
+def escalate_to_qat(run: Run, made: list[str], budget_points: float, qat_config) -> list[str]:
+    """--auto's last step: says on stdout whether post-training quantization kept within the
+    budget and, where it did not, runs the qat stage; the variants that made. A QAT that
+    diverges made nothing, and the post-training variants still stand; any other failure is
+    the stage's."""
+    from stages import qat
+    from stages.run.errors import Diverged
+
+    met, why = post_training_verdict(run, made, budget_points)
+    print(f"--auto: {why}" + ("" if met else "; trying quantization-aware training"),
+          flush=True)
+    if met:
+        return []
+    try:
+        return qat.run(qat_config, run)
+    except Diverged as exc:
+        print(f"--auto: quantization-aware training made nothing: {exc}", flush=True)
+        return []
 
 
 def _made(run: Run, name: str, quiet: bool) -> None:

@@ -4,6 +4,8 @@
     preprocessing.json     input size, channels, colour, mean and std, resizing, class names
     preprocess.py          how an image becomes the input (numpy and Pillow only), the same code
                            `pipeline predict` runs
+    predict_loop.py        stages/predict.py: files and folders to one line each, the same loop
+                           `pipeline predict` runs
     predict.py             `python predict.py IMAGE...`: the top class of each image, with the
                            runtime alone (onnxruntime, openvino, or torch)
     manifest.json          the variant, how it is served, and the sha256 of every other file
@@ -20,13 +22,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from stages import runtimes
+from stages import predict, runtimes
 from stages.data import preprocess
 from stages.data.datasets import preprocessing_of_run
-from stages.run.artifacts import Run, sha256_file, versions
+from stages.run.artifacts import Run, versions
 from stages.run.errors import UsageError
+from stages.run.files import sha256_file
 from stages.run.progress import say
-from stages.runtimes.context import float_source
+from stages.run.trained import float_source
 
 TEMPLATES = {"onnxruntime": "predict_onnxruntime.py", "openvino": "predict_openvino.py",
              "pytorch": "predict_torch.py"}
@@ -56,22 +59,15 @@ def _save_torch(run: Run, name: str, folder: Path) -> dict:
     serve it as the report measured it (compiled, or under autocast)."""
     import torch
 
-    from stages.runtimes import pytorch as torch_runtime
+    from stages.runtimes.pytorch import serving
 
-    entry = run.entry(name)
-    if name in ("fp32", "amp", "fp32-compiled"):
-        source = entry["parent"] if name == "fp32-compiled" else name
-        module = torch_runtime.load_float_module(run, source)
-    else:
-        module = torch_runtime.load_pt2e(run, name)
+    how = serving(run, name)
     spec = run.entry(float_source(run))["model_spec"]
     example = torch.zeros(2, spec["in_channels"], spec["image_size"], spec["image_size"])
-    program = torch.export.export(module, (example,), strict=False, dynamic_shapes=(
+    program = torch.export.export(how.load(run), (example,), strict=False, dynamic_shapes=(
         {0: torch.export.Dim("batch", min=1)},))
     torch.export.save(program, str(folder / "model.pt2"))
-    precision = (entry.get("training") or {}).get("precision", "fp32")
-    return {"compile": name not in ("fp32", "amp"),
-            "autocast": precision if name == "amp" and precision in ("bf16", "fp16") else None}
+    return {"compile": how.compiled, "autocast": how.autocast}
 
 
 def check_out_dir(out_dir: Path) -> None:
@@ -122,6 +118,7 @@ def run(config, run: Run) -> Path:
             say(f"export: {CODE_WARNING}", quiet=False)
         (folder / "preprocessing.json").write_text(json.dumps(spec, indent=2) + "\n")
         shutil.copyfile(preprocess.__file__, folder / "preprocess.py")
+        shutil.copyfile(predict.__file__, folder / "predict_loop.py")
         shutil.copyfile(Path(__file__).with_name(TEMPLATES[runtime]), folder / "predict.py")
         files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
                  for p in sorted(folder.iterdir())}

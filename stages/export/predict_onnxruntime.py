@@ -1,22 +1,24 @@
 """Predict with an exported model: python predict.py IMAGE_OR_FOLDER... [--top-k K]
 
 Prints the most probable class of each image (the K most probable with --top-k), as `pipeline
-predict` does. Needs onnxruntime, numpy and Pillow; preprocess.py and preprocessing.json beside
-this file say how an image becomes the model's input.
+predict` does. Needs onnxruntime, numpy and Pillow; predict_loop.py (the loop `pipeline predict`
+runs), preprocess.py and preprocessing.json beside this file say how an image becomes the
+model's input.
 """
 import sys
 from pathlib import Path
 
 import onnxruntime
+import predict_loop
 import preprocess
 
 HERE = Path(__file__).resolve().parent
 
 if __name__ == "__main__":
-    args = preprocess.arguments(__doc__, HERE)  # before the model loads: --help, sha256
+    args = predict_loop.arguments(__doc__, HERE)  # before the model loads: --help, sha256
     session = onnxruntime.InferenceSession(str(HERE / "model.onnx"),
                                            providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
-    sys.exit(preprocess.main(args,
-                             preprocess.read_spec(HERE / "preprocessing.json"),
-                             lambda batch: session.run(None, {name: batch})[0]))
+    sys.exit(predict_loop.main(args,
+                               preprocess.read_spec(HERE / "preprocessing.json"),
+                               lambda batch: session.run(None, {name: batch})[0]))

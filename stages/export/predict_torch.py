@@ -1,15 +1,16 @@
 """Predict with an exported model: python predict.py IMAGE_OR_FOLDER... [--top-k K]
 
 Prints the most probable class of each image (the K most probable with --top-k), as `pipeline
-predict` does. Needs torch, numpy and Pillow; preprocess.py and preprocessing.json beside this
-file say how an image becomes the model's input. model.pt2 is torch.export's format:
-loading it can run code from the file, so load only a folder whose manifest.json sha256 you
-have checked, from a source you trust.
+predict` does. Needs torch, numpy and Pillow; predict_loop.py (the loop `pipeline predict`
+runs), preprocess.py and preprocessing.json beside this file say how an image becomes the
+model's input. model.pt2 is torch.export's format: loading it can run code from the file, so
+load only a folder whose manifest.json sha256 you have checked, from a source you trust.
 """
 import json
 import sys
 from pathlib import Path
 
+import predict_loop
 import preprocess
 import torch
 import torch._inductor.config
@@ -28,13 +29,13 @@ def logits_of(model, autocast):
 
 
 if __name__ == "__main__":
-    args = preprocess.arguments(__doc__, HERE)  # before the model loads: --help, sha256
+    args = predict_loop.arguments(__doc__, HERE)  # before the model loads: --help, sha256
     serving = json.loads((HERE / "manifest.json").read_text())["serving"]
     model = torch.export.load(str(HERE / "model.pt2")).module()
     if serving.get("compile"):
         torch._inductor.config.freezing = True  # weights as constants: oneDNN's int8 kernels
         model = torch.compile(model, dynamic=False)
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(serving.get("autocast"))
-    sys.exit(preprocess.main(args,
-                             preprocess.read_spec(HERE / "preprocessing.json"),
-                             logits_of(model, autocast)))
+    sys.exit(predict_loop.main(args,
+                               preprocess.read_spec(HERE / "preprocessing.json"),
+                               logits_of(model, autocast)))

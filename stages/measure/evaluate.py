@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from stages.data.datasets import batches
+from stages.data.loaders import batches
 
 # Top-1 agreement below which two runtimes' versions of one model are said to disagree (the
 # report's parity table) and ort-qat is not kept.

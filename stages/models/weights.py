@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.run.artifacts import load_checkpoint
 from stages.run.checkpoints import with_metadata
 from stages.run.errors import PipelineError, UsageError
+from stages.run.loading import load_checkpoint
 
 
 def pretrained_file(model_name: str, weights_name: str) -> Path:
@@ -120,11 +120,12 @@ def load_into(model, loaded: dict, source: str, adapt: bool) -> list[str]:
 
 
 def initial_weights(config, model) -> list[str]:
-    """Load --init-weights or --weights into a freshly built model before training."""
-    if getattr(config, "init_weights", None):
+    """Load --init-weights or --weights (a TrainConfig's) into a freshly built model before
+    training."""
+    if config.init_weights:
         path = Path(config.init_weights).expanduser()
         return load_into(model, read_state_dict(path), str(path), adapt=True)
-    if getattr(config, "weights", None):
+    if config.weights:
         path = pretrained_file(config.model, config.weights)
         return load_into(model, read_state_dict(path), f"{config.weights} ({path})",
                          adapt=True)

@@ -4,16 +4,33 @@ float until it does. Within the budget means the held-out images show it at 95% 
 (one-sided: the measured loss plus 1.645 standard errors of the paired change), so that a
 candidate is not kept because its noise flattered it.
 
-Backend-agnostic: a backend is a dict of plain functions (build a model for some options and
-float layers, predict with it, make a call to time on a batch, list its layers for some
-options). Candidates are
-timed together by the report's own harness (timing.interleaved), so --auto ranks them the way
-the report will. Nothing here sees the test split.
+Runtime-agnostic: each runtime hands the search a Backend of plain functions (build a model for
+some options and float layers, predict with it, make a call to time on a batch, list its layers
+for some options). Candidates are timed together by the report's own harness
+(timing.interleaved), so --auto ranks them the way the report will. Nothing here sees the test
+split.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What the search asks of a runtime, as functions over its own models (an ONNX file, a
+    PT2E graph, an OpenVINO model). Defined here, not in stages/runtimes/, because the search
+    is what reads it and runtimes/ sits above quantization/ (tests/test_layers.py)."""
+
+    build: Callable[[dict, tuple[str, ...]], Any]  # (options, float layers) -> a model
+    predict: Callable[[Any, Any], Any]  # (model, images) -> logits, a float32 CPU tensor
+    # (model, batch) -> a call to time; None where there is one configuration, nothing to rank
+    call: Callable[[Any, Any], Callable[[], Any]] | None = None
+    # options -> the layers that can stay float; None: no per-layer fallback (dynamic int8)
+    layers: Callable[[dict], list[str]] | None = None
+    # options -> each layer's own int8 error, in one pass; None: ranked by building a model
+    # per layer (stages/quantization/sensitivity)
+    errors: Callable[[dict], dict[str, float]] | None = None
 
 
 @dataclass
@@ -63,15 +80,16 @@ TUNING_TIMING = {"rounds": 4, "warmup": 2, "max_rounds": 12, "budget_seconds": 1
 TUNING_INTERVAL = 1.1
 
 
-def score(backend: dict, options: dict, float_layers: tuple[str, ...], reference: dict) -> Trial:
+def score(backend: Backend, options: dict, float_layers: tuple[str, ...],
+          reference: dict) -> Trial:
     """Build one candidate and measure it against the float source on the held-out images."""
     import torch
 
     from stages.measure.evaluate import accuracy as exact_accuracy
     from stages.measure.stats import worst_change
 
-    model = backend["build"](options, float_layers)
-    logits = backend["predict"](model, reference["images"])
+    model = backend.build(options, float_layers)
+    logits = backend.predict(model, reference["images"])
     accuracy = exact_accuracy(logits, reference["labels"])
     hits = logits.argmax(1) == reference["labels"]
     float_hits = reference["logits"].argmax(1) == reference["labels"]
@@ -84,12 +102,12 @@ def score(backend: dict, options: dict, float_layers: tuple[str, ...], reference
         agreement=float((logits.argmax(1) == reference["logits"].argmax(1)).float().mean()))
 
 
-def time_trials(backend: dict, trials: list[Trial], shape: tuple[int, ...]) -> None:
+def time_trials(backend: Backend, trials: list[Trial], shape: tuple[int, ...]) -> None:
     """p50 latency of each trial, all timed in one interleaved session."""
     from stages.measure import timing
 
     batch = timing.random_batch((TUNING_BATCH, *shape))
-    calls = {str(i): backend["call"](t.model, batch) for i, t in enumerate(trials)}
+    calls = {str(i): backend.call(t.model, batch) for i, t in enumerate(trials)}
     timings = timing.interleaved(calls, **TUNING_TIMING,
                                  done=timing.narrow_enough(set(calls), TUNING_INTERVAL))
     for i, trial in enumerate(trials):
@@ -125,7 +143,7 @@ def _out_of_time(deadline: float | None) -> bool:
     return deadline is not None and time.monotonic() >= deadline
 
 
-def _rank_by_building(backend: dict, options: dict, layers: list[str], baseline: Trial,
+def _rank_by_building(backend: Backend, options: dict, layers: list[str], baseline: Trial,
                       reference: dict, say, deadline) -> list[tuple[float, str]]:
     """(gain, layer), each layer alone kept in float: one model built and scored per layer.
     What the fallback does where a backend's layers cannot be matched to the one-pass errors."""
@@ -145,8 +163,8 @@ def _rank_by_building(backend: dict, options: dict, layers: list[str], baseline:
     return sorted(gains, key=lambda g: -g[0])
 
 
-def keep_sensitive_layers_float(backend: dict, options: dict, layers: list[str], reference: dict,
-                                budget_points: float,
+def keep_sensitive_layers_float(backend: Backend, options: dict, layers: list[str],
+                                reference: dict, budget_points: float,
                                 say: Callable[[str], None] = lambda _: None,
                                 errors: dict[str, float] | None = None,
                                 deadline: float | None = None,
@@ -207,7 +225,7 @@ def keep_sensitive_layers_float(backend: dict, options: dict, layers: list[str],
             "plain_drop_points": baseline.drop_points}
 
 
-def tune(backend: dict, candidates: list[dict], reference: dict, budget_points: float,
+def tune(backend: Backend, candidates: list[dict], reference: dict, budget_points: float,
          say: Callable[[str], None] = lambda _: None,
          seconds: float | None = None) -> tuple[Trial | None, dict]:
     """Score every candidate, keep the fastest within the budget (timed only when there is a
@@ -242,14 +260,14 @@ def tune(backend: dict, candidates: list[dict], reference: dict, budget_points: 
               "tried": [t.summary() for t in trials], "not_tried": untried}
     if untried:
         why += f"; --tuning-time spent before {', '.join(untried)} could be tried"
-    if chosen is None and "layers" not in backend:  # dynamic int8: nothing to keep in float
+    if chosen is None and backend.layers is None:  # dynamic int8: nothing to keep in float
         record["closest"] = min(trials, key=lambda t: t.worst_drop_points).summary()
     elif chosen is None and not _out_of_time(deadline):
         closest = min(trials, key=lambda t: t.worst_drop_points)
         say(f"  {why}; keeping the most sensitive layers in float")
-        errors = backend.get("errors", lambda options: None)(closest.options)
+        errors = backend.errors(closest.options) if backend.errors is not None else None
         fallback = keep_sensitive_layers_float(backend, closest.options,
-                                               backend["layers"](closest.options), reference,
+                                               backend.layers(closest.options), reference,
                                                budget_points, say, errors, deadline,
                                                baseline=closest)
         found, all_int8 = fallback.pop("trial"), fallback.pop("all_int8")

@@ -4,10 +4,10 @@ from __future__ import annotations
 import json
 
 from stages import runtimes
-from stages.data.datasets import BASELINE_WORDS, SELECTION_WORDS, VALIDATION_WORDS
 from stages.measure import contention
 from stages.quantization import tuning
 from stages.report import profile
+from stages.report.judging import BASELINE_WORDS, SELECTION_WORDS, VALIDATION_WORDS
 from stages.run.artifacts import Run
 from stages.run.errors import UsageError
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.run.artifacts import atomic_path
+from stages.run.files import atomic_path
 
 RUNTIME_COLOURS = {"pytorch": "tab:blue", "onnx": "tab:orange", "openvino": "tab:green"}
 MARKERS = "osD^vP*Xhp<>"

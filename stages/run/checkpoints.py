@@ -11,8 +11,10 @@ import random
 from collections import OrderedDict
 from pathlib import Path
 
-from stages.run.artifacts import Run, atomic_torch_save, load_checkpoint
+from stages.run.artifacts import Run
 from stages.run.errors import PipelineError
+from stages.run.files import atomic_torch_save
+from stages.run.loading import load_checkpoint
 from stages.run.progress import say
 
 

@@ -5,7 +5,11 @@ A runtime is one module (pytorch, onnxruntime, openvino) that registers its vari
 and a loader with `@loader(...)` that opens a variant from its verified files and returns a
 `Loaded`: predict logits for a batch, a call to time, and the count of int8 and float ops
 that really run. quantize.py makes what is asked for and report.py measures what is there,
-both by walking VARIANTS, so a new runtime is one new module plus its tests.
+both by walking VARIANTS, so a new runtime is one new module plus its tests. The variants the
+qat stage makes from its fine-tuned graph (torch-qat, ort-qat) are registered the same way,
+with stage="qat", in runtimes/qat.py. A runtime whose variants are searched hands the search a
+quantization/tuning.Backend; the PyTorch runtime's helpers are pt2e.py (the PT2E int8 flow)
+and inductor.py (compiling, and counting the kernels that run).
 """
 from __future__ import annotations
 
@@ -19,12 +23,15 @@ class Variant:
     runtime: str  # the runtime whose loader opens it
     source: str | None  # the variant it is made from; None for a trained or imported model
     int8: bool
-    make: Callable | None  # (QuantContext) -> info; None where another stage makes it
+    # quantize's: (QuantContext) -> info; qat's: (QuantContext, FineTuned) -> info, or None
+    # where it was not made; None for a variant that train or import writes
+    make: Callable | None
     description: str
     # Its weights were fitted to the training images (train, import, qat). The report judges a
     # variant on training images only where its weights come from the reference's training
-    # (report.judged_images); a model fine-tuned or trained apart fits them differently.
+    # (stages/report/judging.py); a model fine-tuned or trained apart fits them differently.
     trained: bool = False
+    stage: str = "quantize"  # whose run calls make: quantize or qat; "train" for fp32 and amp
 
 
 @dataclass
@@ -43,21 +50,28 @@ class Loaded:
 
 
 FLOAT = "float"  # a source that means the run's float model: amp, or an imported fp32
-VARIANTS: dict[str, Variant] = {}  # in the order the report lists them
+VARIANTS: dict[str, Variant] = {}  # in the order the report lists them: runtime by runtime
 LOADERS: dict[str, Callable] = {}  # runtime -> load(run, name, threads) -> Loaded
 
 
 def declare(name: str, *, runtime: str, source: str | None, int8: bool, description: str,
-            make: Callable | None = None, trained: bool = False) -> None:
-    """Register a variant; without ``make``, one that another stage makes (train, import,
-    qat) and its runtime only loads."""
+            make: Callable | None = None, trained: bool = False,
+            stage: str = "quantize") -> None:
+    """Register a variant; without ``make``, one that train or import writes and its runtime
+    only loads. It is listed after the variants of its runtime registered before it, wherever
+    it is registered (runtimes/qat.py registers a PyTorch and an ONNX Runtime variant)."""
     if name in VARIANTS:
         raise RuntimeError(f"variant {name!r} is registered twice")
-    VARIANTS[name] = Variant(name, runtime, source, int8, make, description, trained)
+    VARIANTS[name] = Variant(name, runtime, source, int8, make, description, trained, stage)
+    runtimes = list(dict.fromkeys(v.runtime for v in VARIANTS.values()))
+    listed = sorted(VARIANTS.values(), key=lambda v: runtimes.index(v.runtime))  # stable
+    VARIANTS.clear()
+    VARIANTS.update((v.name, v) for v in listed)
 
 
 def variant(name: str, **fields):
-    """Decorator: register a variant made by quantize with the decorated function."""
+    """Decorator: register a variant made by quantize (or ``stage``) with the decorated
+    function."""
 
     def add(make: Callable) -> Callable:
         declare(name, make=make, **fields)
@@ -101,7 +115,7 @@ def resolve(run, variant: str) -> str:
 
 
 def made_by_quantize() -> list[str]:
-    return [v.name for v in VARIANTS.values() if v.make is not None]
+    return [v.name for v in VARIANTS.values() if v.stage == "quantize"]
 
 
 def summarize_ops(counts: dict[str, dict[str, int]]) -> str:
@@ -113,3 +127,4 @@ def summarize_ops(counts: dict[str, dict[str, int]]) -> str:
 from stages.runtimes import pytorch  # noqa: E402,F401,I001  isort: skip
 from stages.runtimes import onnxruntime  # noqa: E402,F401  isort: skip
 from stages.runtimes import openvino  # noqa: E402,F401  isort: skip
+from stages.runtimes import qat  # noqa: E402,F401  isort: skip

@@ -10,28 +10,14 @@ from pathlib import Path
 from typing import Iterator
 
 from stages import runtimes
-from stages.data.datasets import (
-    DataSplits,
-    calibration_batches,
-    check_calibration,
-    first_images,
-    splits_of_run,
-    tuning_images,
-)
+from stages.data.datasets import DataSplits, splits_of_run
+from stages.data.loaders import first_images
+from stages.data.subsets import calibration_batches, check_calibration, tuning_images
 from stages.measure.evaluate import accuracy
 from stages.run.artifacts import Run
-from stages.run.errors import PipelineError, UsageError
+from stages.run.errors import PipelineError
 from stages.run.progress import say
-
-
-def float_source(run: Run) -> str:
-    """The variant every quantized model is made from: `amp`, else an imported `fp32`."""
-    artifacts = run.artifacts()
-    for name in ("amp", "fp32"):
-        if name in artifacts:
-            return name
-    raise UsageError(f"run {run.name!r} has no float model; run 'pipeline train' or "
-                     "'pipeline import' first")
+from stages.run.trained import float_source
 
 
 def source_of(run: Run, name: str) -> str | None:
@@ -102,7 +88,7 @@ class QuantContext:
         """Whether a static backend's default candidates are equalized: --equalize or
         --no-equalize where given, else where weights are per-tensor (one scale for channels
         whose ranges differ a hundredfold) and the model has a pair to equalize."""
-        wanted = getattr(self.config, "equalize", None)
+        wanted = self.config.equalize  # a QuantizeConfig's: only quantize's makers ask
         if wanted is None:
             wanted = per_tensor_weights
         return bool(wanted) and self.equalized_model()[1]["applied"]
@@ -168,8 +154,9 @@ class QuantContext:
         written)."""
         from stages.quantization import tuning
 
-        backend = {"build": lambda options, float_layers: None,
-                   "predict": lambda _, images: predict_fn(images)}
+        # Nothing to build or keep float: the one model made is what every trial predicts.
+        backend = tuning.Backend(build=lambda options, float_layers: None,
+                                 predict=lambda _, images: predict_fn(images))
         self.say(f"{name}: scoring on the validation slice")
         _, record = tuning.tune(backend, [options], self.reference(reference_fn),
                                 self.config.max_accuracy_drop, say=self.say)

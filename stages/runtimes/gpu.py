@@ -12,8 +12,6 @@ returns when its work is done, so its rows are timed on the host's clock.
 """
 from __future__ import annotations
 
-import contextlib
-
 from stages.runtimes import Loaded
 from stages.runtimes.onnx_export import INPUT_NAME, OUTPUT_NAME
 
@@ -37,21 +35,10 @@ def _torch_row(run, row: str, name: str) -> Loaded:
     import torch
 
     from stages.measure.evaluate import predict
-    from stages.runtimes import pytorch as torch_runtime
+    from stages.runtimes.pytorch import eager_counts, serve
 
     device = torch.device("cuda")
-    source = run.entry(name)["parent"] if name == "fp32-compiled" else name
-    model = torch_runtime.load_float_module(run, source).to(device)
-    served = "eager PyTorch on CUDA, fp32"
-    if name == "fp32-compiled":
-        model = torch.compile(model, dynamic=False)
-        served = "torch.compile (Inductor) on CUDA, fp32"
-    precision = (run.entry(name).get("training") or {}).get("precision", "fp32")
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision) if name == "amp" \
-        else None
-    context = (lambda: torch.autocast("cuda", dtype=dtype)) if dtype else contextlib.nullcontext
-    if dtype is not None:
-        served = f"eager PyTorch on CUDA under {precision} autocast, as trained"
+    model, context, how = serve(run, name, "cuda")
 
     def call_for(batch):
         on_device = batch.to(device)
@@ -63,7 +50,7 @@ def _torch_row(run, row: str, name: str) -> Loaded:
         return call
 
     return Loaded(lambda images: predict(model, images, device=device, autocast=context),
-                  call_for, torch_runtime.eager_counts(model), served, device="cuda",
+                  call_for, eager_counts(model), how.words("cuda"), device="cuda",
                   timer="cuda-events")
 
 

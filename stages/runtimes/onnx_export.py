@@ -11,8 +11,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from stages.run.artifacts import atomic_path, raise_if_disk_failure
 from stages.run.errors import PipelineError
+from stages.run.files import atomic_path, raise_if_disk_failure
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"

@@ -19,9 +19,9 @@ from stages.measure.evaluate import compare_logits, predict
 from stages.measure.machine import cpu_has_vnni
 from stages.quantization import sensitivity, tuning
 from stages.quantization.sensitivity import Scheme
-from stages.run.artifacts import atomic_path
 from stages.run.errors import PipelineError
-from stages.runtimes import FLOAT, Loaded, declare, loader, onnx_export, profilers, variant
+from stages.run.files import atomic_path
+from stages.runtimes import FLOAT, Loaded, loader, onnx_export, profilers, variant
 from stages.runtimes.onnx_export import INPUT_NAME, OUTPUT_NAME
 
 ORT_TYPES = {"u8s8": ("QUInt8", "QInt8"), "s8s8": ("QInt8", "QInt8")}
@@ -293,7 +293,7 @@ def _pre_processed(ctx, equalize: bool) -> Path:
     return pre
 
 
-def _static_backend(ctx) -> dict:
+def _static_backend(ctx) -> tuning.Backend:
     calibration = ctx.calibration()
     pre = functools.cache(lambda equalize: _pre_processed(ctx, equalize))
     groups = functools.cache(lambda equalize: layer_groups(pre(equalize)))
@@ -315,11 +315,11 @@ def _static_backend(ctx) -> dict:
                                        list(groups(equalize)),
                                        weight_sizes(pre(equalize), list(groups(equalize))))
 
-    return {"build": build,
-            "predict": lambda path, images: ort_predict(ort_session(path, ctx.threads), images),
-            "call": lambda path, batch: ort_call(ort_session(path, ctx.threads), batch),
-            "layers": lambda options: list(groups(bool(options.get("equalize")))),
-            "errors": errors}
+    return tuning.Backend(
+        build=build,
+        predict=lambda path, images: ort_predict(ort_session(path, ctx.threads), images),
+        call=lambda path, batch: ort_call(ort_session(path, ctx.threads), batch),
+        layers=lambda options: list(groups(bool(options.get("equalize")))), errors=errors)
 
 
 @variant("ort-static", runtime="onnxruntime", source="onnx-fp32", int8=True,
@@ -350,11 +350,6 @@ def make_static(ctx) -> dict:
     if trial.options["equalize"]:
         info["equalization"] = ctx.equalized_model()[1]
     return _finish(ctx, "ort-static", trial.model, "onnx-fp32", info)
-
-
-# Made by the qat stage, from torch-qat's int8 graph.
-declare("ort-qat", runtime="onnxruntime", source="torch-qat", int8=True,
-        description="torch-qat exported to ONNX QDQ, run by ONNX Runtime")
 
 
 @loader("onnxruntime")

@@ -18,8 +18,8 @@ from pathlib import Path
 from stages.measure.evaluate import compare_logits
 from stages.quantization import sensitivity, tuning
 from stages.quantization.sensitivity import Scheme
-from stages.run.artifacts import atomic_path
 from stages.run.errors import PipelineError
+from stages.run.files import atomic_path
 from stages.runtimes import Loaded, loader, profilers, variant
 
 INPUT_NAME = "input"
@@ -162,7 +162,7 @@ def make_fp32(ctx) -> dict:
     return info
 
 
-def _int8_backend(ctx, fp32_model, calibration) -> dict:
+def _int8_backend(ctx, fp32_model, calibration) -> tuning.Backend:
     nncf = _nncf()
     dataset = nncf.Dataset([batch.numpy() for batch in calibration])
 
@@ -177,16 +177,17 @@ def _int8_backend(ctx, fp32_model, calibration) -> dict:
     def runner(model):
         return _runner(compile_model(model, ctx.threads))
 
-    return {"build": build,
-            "predict": lambda model, images: runner(model)[0](images),
-            "call": lambda model, batch: runner(model)[1](batch),
-            "layers": lambda options: layer_names(fp32_model),
-            # NNCF's presets: weights per channel, 8 bits (its overflow fix halves only the
-            # first layer's range on CPUs without VNNI).
-            "errors": lambda options: sensitivity.by_position(
-                ctx.float_model(), sensitivity.layer_errors(ctx.float_model(), calibration,
-                                                            Scheme(per_channel=True)),
-                layer_names(fp32_model), weight_sizes(fp32_model))}
+    return tuning.Backend(
+        build=build,
+        predict=lambda model, images: runner(model)[0](images),
+        call=lambda model, batch: runner(model)[1](batch),
+        layers=lambda options: layer_names(fp32_model),
+        # NNCF's presets: weights per channel, 8 bits (its overflow fix halves only the first
+        # layer's range on CPUs without VNNI).
+        errors=lambda options: sensitivity.by_position(
+            ctx.float_model(), sensitivity.layer_errors(ctx.float_model(), calibration,
+                                                        Scheme(per_channel=True)),
+            layer_names(fp32_model), weight_sizes(fp32_model)))
 
 
 @variant("openvino-int8", runtime="openvino", source="openvino-fp32", int8=True,

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from stages.measure.evaluate import PARITY_MIN_AGREEMENT, compare_logits
-from stages.run.artifacts import atomic_path
+from stages.run.files import atomic_path
 from stages.runtimes import onnx_export
 from stages.runtimes.onnx_export import INPUT_NAME
 from stages.runtimes.onnxruntime import ort_predict, ort_session

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from stages.data.datasets import make_loader
+from stages.data.loaders import make_loader
 
 BATCHES = 100  # at most this many training batches recompute the statistics
 GRAPH_OPS = ("aten.batch_norm.default", "aten._native_batch_norm_legit.default",

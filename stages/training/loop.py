@@ -1,21 +1,34 @@
-"""The training loop's parts, shared by the train and qat stages: the model, optimizer, LR
-schedule, GradScaler and loader built one way, one optimizer step under autocast, and running
-sums kept on the device.
+"""The one training loop, which the train and qat stages both drive: its parts (the model,
+optimizer, LR schedule, GradScaler and loader built one way), one optimizer step under
+autocast, running sums kept on the device, and `fit`: the epochs from where a model stands to
+its last, keeping the weights of the epoch best on validation.
+
+What differs between the stages comes in as Hooks: train adds checkpoints, resume, its --time
+plan and --patience; qat its freezes of BatchNorm statistics and observers, its --tuning-time
+plan and its divergence check.
 
 The sums stay on the device and are read only at check points (every step on the CPU, where
-reading is free; every few dozen steps on a GPU), so that a GPU is not made to wait for the host
-after each step.
+reading is free; every LOG_EVERY_CUDA steps on a GPU), so that a GPU is not made to wait for
+the host after each step.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import Callable
 
-from stages.data.datasets import DataSplits, EpochSampler, make_loader
+from stages.data.datasets import DataSplits
+from stages.data.loaders import EpochSampler, make_loader
 from stages.models.build import build_model
 from stages.models.weights import initial_weights
+from stages.run.checkpoints import cpu_state_dict, restore_rng, rng_state
+from stages.run.progress import progress
 from stages.training import distributed
 from stages.training.precision import Precision, autocast, grad_scaler, seed_everything
+
+LOG_EVERY_CUDA = 50
 
 
 class CosineSchedule:
@@ -131,8 +144,8 @@ class DeviceSums:
                 "skipped": int(skipped), "longest_run": int(longest), "first_bad": int(first_bad)}
 
 
-def train_step(parts: Parts, precision: Precision, device, config, images, labels, sums,
-               global_step: int) -> None:
+def train_step(parts: Parts, precision: Precision, device, grad_clip: float, images, labels,
+               sums, global_step: int) -> None:
     import torch
 
     images = images.to(device, non_blocking=True)
@@ -145,9 +158,9 @@ def train_step(parts: Parts, precision: Precision, device, config, images, label
     parts.optimizer.zero_grad(set_to_none=True)
     scaler = parts.scaler
     scaler.scale(loss).backward()
-    if config.grad_clip:
+    if grad_clip:
         scaler.unscale_(parts.optimizer)  # clip the true gradients, not the scaled ones
-        torch.nn.utils.clip_grad_norm_(parts.model.parameters(), config.grad_clip)
+        torch.nn.utils.clip_grad_norm_(parts.model.parameters(), grad_clip)
     # The scale as a device tensor (no host sync, unlike get_scale()): it backs off exactly
     # when GradScaler found inf/NaN gradients and skipped the step.
     before = scaler._get_scale_async().clone() if scaler.is_enabled() else None
@@ -156,3 +169,158 @@ def train_step(parts: Parts, precision: Precision, device, config, images, label
     skipped = None if before is None else (scaler._get_scale_async() < before).long()
     parts.scheduler.step()
     sums.add(loss, logits, labels, global_step, skipped)
+
+
+@dataclass
+class Hooks:
+    """What the stage driving the loop adds to it. The loop calls them in this order each
+    epoch: start_epoch (the model just put in training mode), guard around the steps, check at
+    each read of the sums, checkpoint where --checkpoint-every falls inside the epoch, score
+    after the steps, end_epoch last."""
+
+    score: Callable[[int], float]  # (epoch) -> the model's validation accuracy as it stands
+    # (sums read, epoch, global step the epoch began at): raise where the steps went wrong
+    check: Callable[[dict, int, int], None]
+    # (epoch, its record, already in the history, improved): add the stage's fields to the
+    # record, plan the epochs left, write, say
+    end_epoch: Callable[[int, dict, bool], None]
+    start_epoch: Callable[[int], None] = lambda epoch: None
+    # (epoch, the loader's iterator) -> a context manager around the epoch's steps
+    guard: Callable = lambda epoch, data_iterator: contextlib.nullcontext()
+    checkpoint: Callable[[], None] = lambda: None
+
+
+@dataclass
+class Loop:
+    """One model's training: its parts, and where it stands (position, running sums, totals,
+    history, the best epoch's weights), which is what a checkpoint saves and a resume
+    restores."""
+
+    name: str  # in progress bars: the variant, or qat
+    parts: Parts
+    precision: Precision
+    device: object
+    epochs: int  # as asked; a time plan may cut them (totals["planned_epochs"])
+    batch_size: int
+    grad_clip: float = 0.0
+    checkpoint_every: int = 0  # steps; 0: at epoch ends only
+    quiet: bool = False
+    pos: dict = field(default_factory=lambda: {"epoch": 1, "step_in_epoch": 0,
+                                               "global_step": 0})
+    sums: dict = field(default_factory=lambda: {"loss": 0.0, "correct": 0, "seen": 0})
+    totals: dict = field(default_factory=lambda: {"skipped": 0, "seconds": 0.0, "samples": 0,
+                                                  "best_val": -1.0, "best_epoch": 0,
+                                                  "wall": 0.0, "planned_epochs": None,
+                                                  "stopped": ""})
+    history: list = field(default_factory=list)
+    best: dict | None = None  # weights of the epoch with the best validation accuracy
+    in_a_row: object = None  # GradScaler's skips in a row, carried across epochs
+
+    @property
+    def planned_epochs(self) -> int:
+        """The epochs this model trains for: as asked, or fewer where a time plan cut them."""
+        return self.totals["planned_epochs"] or self.epochs
+
+    def state(self) -> dict:
+        return {"model": self.parts.model.state_dict(),
+                "optimizer": self.parts.optimizer.state_dict(),
+                "scheduler": self.parts.scheduler.state_dict(),
+                "scaler": self.parts.scaler.state_dict(), "position": dict(self.pos),
+                "sums": dict(self.sums), "totals": dict(self.totals),
+                "history": list(self.history), "rng": rng_state()}
+
+    def restore(self, state: dict, best: dict | None) -> None:
+        for part in ("model", "optimizer", "scheduler", "scaler"):
+            getattr(self.parts, part).load_state_dict(state[part])
+        self.pos, self.sums = state["position"], state["sums"]
+        self.totals |= state["totals"]
+        self.history, self.best = state["history"], best
+        restore_rng(state["rng"])
+
+
+def fit(loop: Loop, hooks: Hooks) -> None:
+    """Train from where ``loop`` stands until its planned epochs are done or end_epoch set
+    totals["stopped"], then load the weights of the epoch best on validation."""
+    steps_per_epoch = len(loop.parts.loader)
+    while loop.pos["epoch"] <= loop.planned_epochs and not loop.totals["stopped"]:
+        epoch = loop.pos["epoch"]
+        if loop.pos["step_in_epoch"] < steps_per_epoch:  # not resumed at its very end
+            started = time.perf_counter()
+            seen = _steps(loop, hooks, epoch)
+            loop.totals["wall"] += time.perf_counter() - started
+            started = time.perf_counter()
+            _end_epoch(loop, hooks, epoch, seen)
+            loop.totals["wall"] += time.perf_counter() - started  # scoring, checkpoints
+        loop.pos.update(epoch=epoch + 1, step_in_epoch=0)
+    if loop.best is not None:
+        loop.parts.model.load_state_dict(loop.best)
+
+
+def _steps(loop: Loop, hooks: Hooks, epoch: int) -> dict:
+    """The optimizer steps of one epoch (from where a resume left off), with the checkpoints
+    --checkpoint-every asks for inside it; returns the epoch's sums read from the device."""
+    parts, pos, device = loop.parts, loop.pos, loop.device
+    steps_per_epoch = len(parts.loader)
+    check_every = 1 if device.type == "cpu" else LOG_EVERY_CUDA
+    parts.trained.train()
+    hooks.start_epoch(epoch)
+    parts.sampler.set_epoch(epoch, start=pos["step_in_epoch"] * loop.batch_size)
+    data_iterator = iter(parts.loader)
+    bar = progress(data_iterator, desc=f"{loop.name} {epoch}/{loop.planned_epochs}",
+                   quiet=loop.quiet, total=steps_per_epoch)
+    device_sums = DeviceSums(device, loop.in_a_row)
+    epoch_start = pos["global_step"] - pos["step_in_epoch"]
+    started = time.perf_counter()
+    with hooks.guard(epoch, data_iterator):
+        for images, labels in bar:
+            train_step(parts, loop.precision, device, loop.grad_clip, images, labels,
+                       device_sums, pos["global_step"])
+            pos["step_in_epoch"] += 1
+            pos["global_step"] += 1
+            every = loop.checkpoint_every
+            checkpoint_now = (every and pos["global_step"] % every == 0
+                              and pos["step_in_epoch"] < steps_per_epoch)
+            if pos["step_in_epoch"] % check_every and not checkpoint_now:
+                continue
+            seen = device_sums.read()
+            hooks.check(seen, epoch, epoch_start)
+            shown = {k: loop.sums[k] + seen[k] for k in ("loss", "correct", "seen")}
+            if hasattr(bar, "set_postfix") and shown["seen"]:
+                bar.set_postfix(loss=f"{shown['loss'] / shown['seen']:.3f}",
+                                acc=f"{shown['correct'] / shown['seen']:.3f}", refresh=False)
+            if checkpoint_now:  # a checkpoint holds host numbers: the device's sums go in first
+                _fold(loop, seen, started)
+                loop.sums = shown
+                device_sums = DeviceSums(device, device_sums.in_a_row)
+                hooks.checkpoint()
+                started = time.perf_counter()
+    seen = device_sums.read()
+    hooks.check(seen, epoch, epoch_start)
+    loop.in_a_row = device_sums.in_a_row
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+    _fold(loop, seen, started)
+    return seen
+
+
+def _fold(loop: Loop, seen: dict, started: float) -> None:
+    loop.totals["seconds"] += time.perf_counter() - started
+    loop.totals["skipped"] += seen["skipped"]
+
+
+def _end_epoch(loop: Loop, hooks: Hooks, epoch: int, seen: dict) -> None:
+    """Score the validation split, keep the best weights, and record the epoch."""
+    loss_sum, correct, count = (loop.sums[k] + seen[k] for k in ("loss", "correct", "seen"))
+    loop.totals["samples"] += count
+    val_acc = hooks.score(epoch)
+    record = {"epoch": epoch, "loss": loss_sum / count, "train_accuracy": correct / count,
+              "val_accuracy": val_acc}
+    improved = val_acc > loop.totals["best_val"]
+    if improved:
+        loop.totals.update(best_val=val_acc, best_epoch=epoch)
+        loop.best = cpu_state_dict(loop.parts.model, clone=True)
+    loop.history.append(record)
+    loop.sums = {"loss": 0.0, "correct": 0, "seen": 0}
+    hooks.end_epoch(epoch, record, improved)

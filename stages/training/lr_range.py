@@ -13,9 +13,13 @@ schedule holds its peak for many steps, where the test held each value for one.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 from stages.run.errors import PipelineError
+from stages.run.files import atomic_write_text
+from stages.run.progress import say
+from stages.training import distributed
 from stages.training.loop import DeviceSums, build_parts, train_step
 
 START_LR, END_LR = 1e-5, 10.0
@@ -25,6 +29,27 @@ DIVERGED = 4.0
 MINIMUM_DIVISOR = 10.0
 SKIPPED_START = 5  # the first steps' smoothed loss stands on too few batches to judge a slope
 LEAST_FALL = 0.05  # the loss must fall by this share of its start for a choice to exist
+
+
+def peak_lr(config, splits, precision, device, run, saved: dict) -> float:
+    """--lr as given, or found by a range test under the precision and batch size training will
+    use, once per run: a resume reads the value back from ``saved`` (the recorded train
+    config). The curve is kept in the run (train/lr-range.json) for the report."""
+    if config.lr != "auto":
+        return config.lr
+    if "resolved_lr" in saved:
+        return saved["resolved_lr"]
+    say(f"--lr auto: a learning-rate range test of up to {MAX_STEPS} steps ({START_LR:g} to "
+        f"{END_LR:g}) ...", quiet=config.quiet)
+    curve = range_test(config, splits, precision, device)
+    if distributed.current().is_main:
+        path = run.root / "train" / "lr-range.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(curve) + "\n")
+        run.register("lr-range", path, kind="metrics", stage="train")
+    say(f"--lr auto: {curve['chosen']:.3g} (steepest descent at {curve['steepest']:.3g}, "
+        f"lowest loss at {curve['minimum']:.3g}, {curve['steps']} steps)", quiet=config.quiet)
+    return curve["chosen"]
 
 
 def range_test(config, splits, precision, device, steps: int = MAX_STEPS) -> dict:
@@ -46,7 +71,7 @@ def range_test(config, splits, precision, device, steps: int = MAX_STEPS) -> dic
             break
         lr = parts.optimizer.param_groups[0]["lr"]
         sums = DeviceSums(device)
-        train_step(parts, precision, device, probe, images, labels, sums, len(lrs))
+        train_step(parts, precision, device, probe.grad_clip, images, labels, sums, len(lrs))
         seen = sums.read()
         loss = seen["loss"] / max(seen["seen"], 1)
         if seen["first_bad"] >= 0 or not math.isfinite(loss):

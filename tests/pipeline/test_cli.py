@@ -4,10 +4,12 @@ import re
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
 
+from pipeline import config as cfg
 from pipeline.cli import cli
 from stages.run.errors import PipelineError
 
@@ -124,48 +126,88 @@ def test_config_file_values_are_type_checked_like_flags(tmp_path, table, line, n
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("qat_table, seconds", [("", 90.0), ('[qat]\ntuning_time = "5m"\n', 300.0)])
-def test_auto_gives_its_tuning_time_to_the_qat_it_goes_on_to(cheap_run, monkeypatch, tmp_path,
-                                                             qat_table, seconds):
+@pytest.mark.parametrize("qat_table, seconds", [({}, 90.0), ({"tuning_time": "5m"}, 300.0)])
+def test_auto_gives_its_tuning_time_to_the_qat_it_goes_on_to(qat_table, seconds):
     """quantize --auto --tuning-time bounds the fallback to QAT too, unless [qat] sets its own."""
+    quantize = cfg.QuantizeConfig(auto=True, tuning_time="90s")
+    qat = cfg.qat_config_for_auto(quantize, {"qat": qat_table}, seed=3, device="cpu", quiet=True)
+    assert qat.tuning_time == seconds and (qat.seed, qat.device, qat.quiet) == (3, "cpu", True)
+    assert cfg.qat_config_for_auto(cfg.QuantizeConfig(tuning_time=90), {"qat": qat_table}) is None
+
+
+def test_a_bad_qat_table_stops_quantize_auto_before_anything_runs(tmp_path):
+    config = tmp_path / "pipeline.toml"
+    config.write_text("[qat]\nepochs = 0\n")
+    result = invoke("--artifacts-dir", str(tmp_path), "--config", str(config), "quantize",
+                    "--auto")
+    assert result.exit_code == 2
+    assert result.stderr == "pipeline: error: --epochs must be at least 1, got 0\n"
+
+
+def _quantized(worst_drop_points: float):
+    """A run as post_training_verdict reads it: ort-static searched, its worst drop this."""
+    entries = {"ort-static": {"quantization": {"tuning": {"chosen": {
+        "drop_points": 0.0, "worst_drop_points": worst_drop_points}}}}}
+    return SimpleNamespace(entry=entries.__getitem__, artifacts=lambda: entries,
+                           recorded_config=lambda stage: {})
+
+
+def test_auto_goes_on_to_qat_only_where_post_training_missed_the_budget(monkeypatch, capsys):
     from stages import qat, quantize
 
     given = []
-    monkeypatch.setattr(quantize, "run", lambda config, run: [])
-    monkeypatch.setattr(quantize, "post_training_verdict",
-                        lambda run, names, budget: (False, "nothing kept"))
-    monkeypatch.setattr(qat, "run", lambda config, run: given.append(config) or [])
-    config = tmp_path / "pipeline.toml"
-    config.write_text(qat_table)
-    result = invoke("--artifacts-dir", str(cheap_run.artifacts_dir), "--config", str(config),
-                    "quantize", "--auto", "--tuning-time", "90s")
-    assert result.exit_code == 0, result.stderr
-    assert "--auto: nothing kept; trying quantization-aware training" in result.output
-    assert [c.tuning_time for c in given] == [seconds]
+    monkeypatch.setattr(qat, "run", lambda config, run: given.append(config) or ["torch-qat"])
+    assert quantize.escalate_to_qat(_quantized(0.4), ["ort-static"], 1.0, "qat config") == []
+    assert capsys.readouterr().out == (
+        "--auto: ort-static kept within 1 point(s) of the float model after post-training "
+        "quantization, so no quantization-aware training is needed\n")
+    assert given == []
+    assert quantize.escalate_to_qat(_quantized(1.3), ["ort-static"], 1.0,
+                                    "qat config") == ["torch-qat"]
+    assert capsys.readouterr().out == (
+        "--auto: no post-training configuration kept within 1 point(s) of the float model on "
+        "the held-out images at 95% confidence (ort-static -1.30 points at worst); trying "
+        "quantization-aware training\n")
+    assert given == ["qat config"]
 
 
 def test_a_qat_that_diverges_under_auto_leaves_the_post_training_variants_standing(
         cheap_run, monkeypatch):
+    """Through the command, with a real quantize: only the verdict (a dynamic variant alone
+    never misses it) and the QAT are stand-ins."""
     from stages import qat, quantize
     from stages.run.errors import Diverged
 
     def diverges(config, run):
         raise Diverged("qat: the fake-quantized model diverged at epoch 1 step 3: ...")
 
-    monkeypatch.setattr(quantize, "run", lambda config, run: ["ort-static"])
     monkeypatch.setattr(quantize, "post_training_verdict",
                         lambda run, names, budget: (False, "nothing kept"))
     monkeypatch.setattr(qat, "run", diverges)
-    result = invoke("--artifacts-dir", str(cheap_run.artifacts_dir), "quantize", "--auto")
+    args = ("--artifacts-dir", str(cheap_run.artifacts_dir), "--quiet", "quantize", "--auto",
+            "--methods", "ort-dynamic")
+    result = invoke(*args)
     assert result.exit_code == 0, result.stderr
-    assert ("--auto: quantization-aware training made nothing: qat: the fake-quantized model "
-            "diverged at epoch 1 step 3: ...\nort-static: ") in result.output
-    assert cheap_run.entry("ort-static")  # still listed
+    assert result.stdout == (
+        "--auto: nothing kept; trying quantization-aware training\n"
+        "--auto: quantization-aware training made nothing: qat: the fake-quantized model "
+        "diverged at epoch 1 step 3: ...\n"
+        f"ort-dynamic: {cheap_run.root / cheap_run.entry('ort-dynamic')['path']}\n")
     # Any other failure of QAT is still the command's failure.
     monkeypatch.setattr(qat, "run", lambda config, run: (_ for _ in ()).throw(
         PipelineError("quantize/torch-qat.pt: No space left on device")))
-    failed = invoke("--artifacts-dir", str(cheap_run.artifacts_dir), "quantize", "--auto")
+    failed = invoke(*args)
     assert failed.exit_code == 1 and "No space left on device" in failed.stderr
+
+
+def test_quantize_auto_says_what_it_decided_then_lists_what_it_made(cheap_run):
+    """Through the command: the stage's --auto line, then each variant's path."""
+    result = invoke("--artifacts-dir", str(cheap_run.artifacts_dir), "--quiet", "quantize",
+                    "--auto", "--methods", "ort-dynamic")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == (
+        "--auto: no static int8 variant was made, so there is nothing for QAT to rescue\n"
+        f"ort-dynamic: {cheap_run.root / cheap_run.entry('ort-dynamic')['path']}\n")
 
 
 def test_run_and_artifacts_dir_also_follow_the_stage(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.run import artifacts
+from stages.run import artifacts, files, loading
 from stages.run.checkpoints import weights_digest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +50,7 @@ def test_sigkill_mid_epoch_then_resume_ends_bit_identical(tmp_path):
     assert "amp" not in listed
     for entry in listed.values():  # every listed file is whole
         path = tmp_path / "runs" / "killed" / entry["path"]
-        assert artifacts.sha256_file(path) == entry["sha256"]
+        assert files.sha256_file(path) == entry["sha256"]
 
     # Corrupt the newest checkpoint: resume must fall back to the one before it.
     newest = max((e for e in listed.values() if e.get("step")), key=lambda e: e["step"])
@@ -67,8 +67,8 @@ def test_sigkill_mid_epoch_then_resume_ends_bit_identical(tmp_path):
 
     run_whole = artifacts.open_run(tmp_path, "whole")
     run_killed = artifacts.open_run(tmp_path, "killed")
-    whole = artifacts.load_checkpoint(run_whole.verified_path("amp"))["state_dict"]
-    again = artifacts.load_checkpoint(run_killed.verified_path("amp"))["state_dict"]
+    whole = loading.load_checkpoint(run_whole.verified_path("amp"))["state_dict"]
+    again = loading.load_checkpoint(run_killed.verified_path("amp"))["state_dict"]
     assert whole.keys() == again.keys()
     assert all(torch.equal(whole[k], again[k]) for k in whole)
     fields = ("epoch", "loss", "train_accuracy", "val_accuracy")
@@ -99,7 +99,7 @@ def test_torchrun_two_cpu_ranks(tmp_path):
     for variant in ("fp32", "amp"):
         training = run.entry(variant)["training"]
         assert training["world_size"] == 2
-        model = artifacts.load_checkpoint(run.verified_path(variant))["state_dict"]
+        model = loading.load_checkpoint(run.verified_path(variant))["state_dict"]
         assert training["weights_sha256_all_ranks"] == weights_digest(model)
         assert training["test_accuracy"] > 0.3
     assert "ort-static" in run.artifacts()  # quantize and report ran once, on rank 0

@@ -24,10 +24,10 @@ from tests.conftest import FROM_QUANTIZE
 def _digit_files(folder: Path, count: int = 12) -> tuple[list[Path], list[int]]:
     """Test-split digits as the 8-bit PNG files a user would have (the data set's 0..16 scaled
     to 0..255), and their labels."""
-    from stages.data.datasets import _stratified_split, digits_arrays
+    from stages.data.datasets import digits_arrays, stratified_split
 
     images, targets = digits_arrays()
-    _, test = _stratified_split(targets, 0.2, seed=0)
+    _, test = stratified_split(targets, 0.2, seed=0)
     folder.mkdir(parents=True, exist_ok=True)
     paths, labels = [], []
     for index in sorted(test)[:count]:
@@ -176,11 +176,11 @@ def test_an_exported_folder_runs_with_onnxruntime_numpy_and_pillow_alone(tiny_ru
     assert result.exit_code == 0, result.stderr
     assert result.stdout.strip() == f"export: {out}"
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model.onnx",
-                                                     "predict.py", "preprocess.py",
-                                                     "preprocessing.json"]
+                                                     "predict.py", "predict_loop.py",
+                                                     "preprocess.py", "preprocessing.json"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["variant"] == "ort-static" and manifest["serving"]["runtime"] == "onnxruntime"
-    from stages.run.artifacts import sha256_file
+    from stages.run.files import sha256_file
 
     assert {name: record["sha256"] for name, record in manifest["files"].items()} == {
         p.name: sha256_file(p) for p in out.iterdir() if p.name != "manifest.json"}

@@ -1,4 +1,10 @@
 """Bad calibration data, corrupt image files, and random option values: clean errors only."""
+import dataclasses
+import json
+import re
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +16,8 @@ from PIL import Image
 from pipeline import config as cfg
 from pipeline.cli import cli
 from stages import train
-from stages.data.datasets import check_calibration, load_dataset
+from stages.data.datasets import load_dataset
+from stages.data.subsets import check_calibration
 from stages.run.errors import PipelineError
 
 
@@ -103,18 +110,75 @@ def _config_strategy(config_class, skip=("model",)):
     return st.fixed_dictionaries(fields)
 
 
+# A flag whose bound is another flag's value: `--rounds 41` alone is refused as "--max-rounds
+# must be at least 41, got 40", naming the flag left at its default.
+BOUND_BY = {"--max-rounds": "--rounds"}
+
+
+def _given(config_class, values: dict) -> set[str]:
+    """The flags of the values that are not their field's default, and those bound by them."""
+    given = {f"--{field.name.replace('_', '-')}" for field in dataclasses.fields(config_class)
+             if not (type(values[field.name]) is type(field.default)
+                     and values[field.name] == field.default)}
+    return given | {flag for flag, bound in BOUND_BY.items() if bound in given}
+
+
+def _flags_named(message: str) -> set[str]:
+    """The flags a message names: '--epochs ...', click's "Invalid value for '--seed'", or a
+    key of the --config file ('... time in [train] must be ...')."""
+    return set(re.findall(r"--[a-z][a-z0-9-]*", message)) | {
+        f"--{key.replace('_', '-')}" for key in re.findall(r"(\w+) in \[\w+\]", message)}
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # nan, inf, -inf and 1e-05 are TOML floats as Python writes them
+    if isinstance(value, (list, tuple)):
+        return f"[{', '.join(map(_toml, value))}]"
+    return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def _through_the_command_line(stage: str, values: dict, folder: Path):
+    """``values`` given to ``stage`` the way a user gives them: the group's --seed, --device and
+    --quiet as flags, the rest in a --config file (a value left at None is its default)."""
+    group = [f"--{key}={values[key]}" for key in ("seed", "device") if key in values]
+    group += ["--quiet"] if values.get("quiet") is True else []
+    table = "".join(f"{key} = {_toml(value)}\n" for key, value in values.items()
+                    if value is not None)
+    (folder / "config.toml").write_text(f"[{stage}]\n{table}", encoding="utf-8")
+    return CliRunner().invoke(cli, ["--artifacts-dir", str(folder / "artifacts"), *group,
+                                    "--config", str(folder / "config.toml"), stage])
+
+
 @pytest.mark.parametrize("stage", ["train", "quantize", "report"])
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
-def test_configs_either_build_or_raise_a_value_error_that_names_a_flag(stage, data):
-    values = data.draw(_config_strategy(cfg.STAGE_CONFIGS[stage]))
+def test_values_a_stage_cannot_take_are_refused_naming_one_given_before_anything_is_written(
+        stage, data):
+    """Random values either make a config, or are refused with one line that names the flag
+    of a value given (not one left at its default); from the command line that refusal is a
+    usage error (exit 2) before the run folder, or anything else, is written."""
+    config_class = cfg.STAGE_CONFIGS[stage]
+    values = data.draw(_config_strategy(config_class))
     if stage == "train":
         values["model"] = "smallcnn"
     try:
-        cfg.STAGE_CONFIGS[stage](**values)
+        config_class(**values)
+        return
     except ValueError as exc:
-        assert str(exc).startswith("--"), exc  # names the flag
-        assert "\n" not in str(exc)
+        message = str(exc)
+    given = _given(config_class, values)
+    assert "\n" not in message and _flags_named(message) & given, (message, given)
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        result = _through_the_command_line(stage, values, folder)
+        assert result.exit_code == 2, (message, result.output)
+        line = result.stderr.strip()
+        assert "\n" not in line and line.startswith("pipeline: error: "), line
+        assert _flags_named(line) & given, (line, given)
+        assert [p.name for p in folder.iterdir()] == ["config.toml"]
 
 
 # For each declared type, values of some other type (what a hand-written TOML file holds).

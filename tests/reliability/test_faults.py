@@ -17,8 +17,9 @@ from pipeline import cli as cli_module
 from pipeline.cli import cli
 from pipeline.config import TrainConfig
 from stages import train
-from stages.run import artifacts
+from stages.run import artifacts, files, loading
 from stages.run.errors import PipelineError
+from stages.training import failures
 from tests.conftest import TINY_TRAIN
 
 # 94 MB checkpoints after every one of 12 cheap steps: nearly all the time goes to writing them.
@@ -46,9 +47,9 @@ def _listed(run_root):
 
 def _check_nothing_half_written(run_root):
     for entry in _listed(run_root).values():
-        assert artifacts.sha256_file(run_root / entry["path"]) == entry["sha256"], entry["path"]
+        assert files.sha256_file(run_root / entry["path"]) == entry["sha256"], entry["path"]
     for path in (run_root / "train" / "amp").glob("checkpoint-*.pt"):
-        artifacts.load_checkpoint(path)  # every file under a real name is whole
+        loading.load_checkpoint(path)  # every file under a real name is whole
 
 
 def _kill_inside_a_write(proc, folder, deadline):
@@ -97,7 +98,7 @@ import torch
 from pipeline.config import TrainConfig
 from stages.run import artifacts
 from stages import train
-from stages.data.datasets import EpochSampler
+from stages.data.loaders import EpochSampler
 from stages.run.errors import PipelineError
 from tests.conftest import TINY_TRAIN
 
@@ -146,7 +147,9 @@ def test_a_dead_or_hung_worker_is_a_clear_error_and_checkpoints_stay(tmp_path, f
     assert re.search(r"DataLoader worker died or hung at epoch 1 step (9|10|11|12)\b.*are intact",
                      proc.stdout), proc.stdout
     run = artifacts.open_run(tmp_path, "workers")
-    assert run.verified_path("amp/checkpoint-step0000005")  # written before; still whole
+    # Written before the fault and still whole: it matches its sha256, loads, and is step 5's.
+    state = loading.load_checkpoint(run.verified_path("amp/checkpoint-step0000005"))
+    assert state["position"]["global_step"] == 5
     assert "amp" not in run.artifacts()
 
 
@@ -161,15 +164,15 @@ def test_a_worker_death_seen_twice_is_still_one_clear_error(tmp_path, monkeypatc
         if len(calls) == 1:
             raise RuntimeError("DataLoader worker (pid 17375) is killed by signal: Killed. ")
 
-    monkeypatch.setattr(train, "_stop_workers", cut_short_once)
+    monkeypatch.setattr(failures, "stop_workers", cut_short_once)
     loader = type("Loader", (), {"_shutdown_workers": lambda self: None})()
     with pytest.raises(PipelineError, match=r"^amp: a DataLoader worker died or hung at epoch 2 "
                        r"step 4 \(\[Errno 104\] Connection reset by peer\)"):
-        with train._worker_failures("amp", 2, {"step_in_epoch": 3}, tmp_path, loader):
+        with failures.worker_failures("amp", 2, {"step_in_epoch": 3}, tmp_path, loader):
             raise ConnectionResetError(104, "Connection reset by peer")
     assert calls == [loader, loader]
     with pytest.raises(ValueError, match="not the loader's"):  # other errors pass untouched
-        with train._worker_failures("amp", 2, {"step_in_epoch": 3}, tmp_path, loader):
+        with failures.worker_failures("amp", 2, {"step_in_epoch": 3}, tmp_path, loader):
             raise ValueError("not the loader's")
 
 
@@ -204,7 +207,7 @@ def test_a_disk_that_fails_every_write_marks_the_stage_failed(tmp_path, monkeypa
     """Once the stage is running, every new file fails with ENOSPC, the manifest's included:
     the stage still ends `failed` (written over the manifest's own bytes), never `running`."""
     failing = {"on": False}
-    real_mark, real_mkstemp = artifacts.Run.mark_stage, artifacts.tempfile.mkstemp
+    real_mark, real_mkstemp = artifacts.Run.mark_stage, files.tempfile.mkstemp
 
     def mark_stage(self, stage, status, detail=None, seconds=None):
         real_mark(self, stage, status, detail, seconds)
@@ -216,7 +219,7 @@ def test_a_disk_that_fails_every_write_marks_the_stage_failed(tmp_path, monkeypa
         return real_mkstemp(*args, **kwargs)
 
     monkeypatch.setattr(artifacts.Run, "mark_stage", mark_stage)
-    monkeypatch.setattr(artifacts.tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(files.tempfile, "mkstemp", mkstemp)
     result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "--run", "full",
                                       *TINY_CLI])
     line = result.stderr.strip().splitlines()[-1]
@@ -276,11 +279,11 @@ def test_a_write_the_operating_system_refuses_is_named_with_what_to_do(tmp_path)
 
 
 def test_a_checkpoint_that_cannot_fit_is_refused_before_it_is_written(tmp_path, monkeypatch):
-    monkeypatch.setattr(artifacts.shutil, "disk_usage",
+    monkeypatch.setattr(files.shutil, "disk_usage",
                         lambda path: type("Usage", (), {"free": 5 << 20})())
     with pytest.raises(PipelineError, match=r"not enough space in .* for model.pt: 5.24 MB free, "
                                             r"it needs about 45 MB"):
-        artifacts.atomic_torch_save({"w": torch.zeros(11_175_000)}, tmp_path / "model.pt")
+        files.atomic_torch_save({"w": torch.zeros(11_175_000)}, tmp_path / "model.pt")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -365,9 +368,9 @@ def test_a_run_in_use_by_another_process_is_refused_until_that_process_dies(tmp_
     manifest = run.manifest_path.read_bytes()
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys, time\nfrom stages.run import artifacts\n"
+         "import sys, time\nfrom stages.run import artifacts, lock\n"
          f"run = artifacts.open_run({str(tmp_path)!r}, 'busy')\n"
-         "with artifacts.hold_run(run, 'train quantize'):\n"
+         "with lock.hold_run(run, 'train quantize'):\n"
          "    print('held', flush=True)\n    time.sleep(120)\n"],
         stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
     try:

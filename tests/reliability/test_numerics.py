@@ -7,9 +7,9 @@ from pipeline.config import QuantizeConfig, ReportConfig, TrainConfig
 from stages import quantize, report, train
 from stages.data.datasets import splits_of_run
 from stages.measure.evaluate import predict
-from stages.run import artifacts
+from stages.run import artifacts, loading
 from stages.run.errors import PipelineError
-from stages.runtimes import pytorch as torch_runtime
+from stages.runtimes import pt2e
 from tests.conftest import TINY_REPORT, TINY_TRAIN
 
 
@@ -64,7 +64,7 @@ def test_skipped_fp16_steps_leave_the_weights_and_back_the_scale_off(tmp_path, m
         "baseline": False, "precision": "fp16", "epochs": 1, "checkpoint_every": 1,
         "keep_checkpoints": 30}), run)
     assert result.skipped_steps == 2 and result.optimizer_steps == 19
-    states = {step: artifacts.load_checkpoint(run.verified_path(f"amp/checkpoint-step{step:07d}"))
+    states = {step: loading.load_checkpoint(run.verified_path(f"amp/checkpoint-step{step:07d}"))
               for step in (2, 3, 4, 5)}
     # Weights only: BatchNorm's running statistics follow every forward pass, skipped or not.
     weights = [k for k in states[2]["model"] if not k.endswith(BATCHNORM_BUFFERS)]
@@ -93,16 +93,16 @@ def test_the_same_seed_twice_gives_the_same_weights_predictions_and_report(tmp_p
         reports.append(report.run(ReportConfig(**TINY_REPORT), run))
         runs.append(run)
     for variant in ("fp32", "amp"):
-        a = artifacts.load_checkpoint(runs[0].verified_path(variant))["state_dict"]
-        b = artifacts.load_checkpoint(runs[1].verified_path(variant))["state_dict"]
+        a = loading.load_checkpoint(runs[0].verified_path(variant))["state_dict"]
+        b = loading.load_checkpoint(runs[1].verified_path(variant))["state_dict"]
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), variant
-    first = artifacts.load_checkpoint(runs[0].verified_path("torch-static"))["graph"]["tensors"]
-    second = artifacts.load_checkpoint(runs[1].verified_path("torch-static"))["graph"]["tensors"]
+    first = loading.load_checkpoint(runs[0].verified_path("torch-static"))["graph"]["tensors"]
+    second = loading.load_checkpoint(runs[1].verified_path("torch-static"))["graph"]["tensors"]
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
     figures = [[(m["name"], m["accuracy"], m["agreement"], m["flipped_predictions"],
                  m["validation"]["accuracy"]) for m in r["models"]] for r in reports]
     assert figures[0] == figures[1]
     images = splits_of_run(runs[0]).test.tensors[0]
-    a = predict(torch_runtime.load_pt2e(runs[0], "torch-static"), images)
-    b = predict(torch_runtime.load_pt2e(runs[1], "torch-static"), images)
+    a = predict(pt2e.load_pt2e(runs[0], "torch-static"), images)
+    b = predict(pt2e.load_pt2e(runs[1], "torch-static"), images)
     assert torch.equal(a, b)

@@ -2,7 +2,6 @@
 import io
 import json
 import pickle
-import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import torch
 from click.testing import CliRunner
 
 from pipeline.cli import cli
-from stages.run import artifacts
+from stages.run import files, loading
 from stages.run.errors import PipelineError
 from stages.runtimes.onnxruntime import ort_session
 
@@ -27,23 +26,11 @@ ROOT = Path(__file__).resolve().parents[2]
 EXPORTED_TORCH_SCRIPT = ROOT / "stages" / "export" / "predict_torch.py"
 
 
-def test_source_never_unpickles_arbitrary_objects():
-    assert "loading it can run code" in EXPORTED_TORCH_SCRIPT.read_text()
-    offenders = []
-    files = [path for folder in ("pipeline", "stages", "benchmarks")
-             for path in (ROOT / folder).rglob("*.py")]
-    # Every package below stages/ is scanned, the one that loads files most of all.
-    assert ROOT / "stages" / "run" / "artifacts.py" in files
-    assert ROOT / "stages" / "runtimes" / "graph_file.py" in files
-    for path in files:
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            code = line.split("#")[0]
-            if (re.search(r"\bpickle\.loads?\(", code) or "allow_pickle=True" in code
-                    or "weights_only=False" in code
-                    or ("torch.export.load(" in code and path != EXPORTED_TORCH_SCRIPT)
-                    or ("torch.load(" in code and "weights_only=True" not in code)):
-                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
-    assert not offenders, offenders
+def test_the_exported_torch_script_says_first_that_loading_can_run_code():
+    """The one torch.export.load ruff allows (tests/test_lint.py) is in this script."""
+    text = EXPORTED_TORCH_SCRIPT.read_text()
+    assert "loading it can run code" in text
+    assert text.index("loading it can run code") < text.index("torch.export.load(")
 
 
 class Payload:
@@ -64,7 +51,7 @@ def _plant(run, name, content: bytes):
     manifest = json.loads(run.manifest_path.read_text())
     for entry in manifest["artifacts"].values():
         if entry["path"] == relative:
-            entry |= {"sha256": artifacts.sha256_file(path), "bytes": path.stat().st_size}
+            entry |= {"sha256": files.sha256_file(path), "bytes": path.stat().st_size}
     run.manifest_path.write_text(json.dumps(manifest))
 
 
@@ -129,7 +116,7 @@ def test_a_graph_file_that_names_anything_but_an_operator_is_refused(fresh_tiny_
     """A PT2E file is data; one whose graph would call a Python function is refused before
     any of it runs, and says so in one line."""
     run = fresh_tiny_run
-    data = artifacts.load_checkpoint(run.verified_path("torch-static"))
+    data = loading.load_checkpoint(run.verified_path("torch-static"))
     node = next(n for n in data["graph"]["nodes"] if n["op"] == "call_function")
     node["target"] = target
     node["args"] = ["echo payload-ran"]
@@ -143,15 +130,20 @@ def test_a_graph_file_that_names_anything_but_an_operator_is_refused(fresh_tiny_
     assert "payload-ran" not in proc.stdout + proc.stderr.replace(f"'{target}'", "")
 
 
-@pytest.mark.parametrize("relative", ["../../../elsewhere/outside.pt", "/tmp/outside.pt"])
+@pytest.mark.parametrize("absolute", [False, True])
 def test_a_manifest_entry_pointing_outside_the_run_is_refused_by_every_stage(
-        fresh_tiny_run, tmp_path, relative):
+        fresh_tiny_run, tmp_path, absolute):
+    """A path up out of the run folder, or an absolute one: both to a real copy of the file,
+    in tmp_path beside the run's artifacts folder."""
     run = fresh_tiny_run
-    outside = (run.root / relative).resolve() if not relative.startswith("/") else Path(relative)
+    outside = tmp_path / "elsewhere" / "outside.pt"
+    assert run.root.resolve() not in outside.resolve().parents
+    relative = str(outside) if absolute else str(Path(*[".."] * 3, "elsewhere", "outside.pt"))
+    assert (run.root / relative).resolve() == outside.resolve()
     outside.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(run.verified_path("amp"), outside)
     manifest = json.loads(run.manifest_path.read_text())
-    manifest["artifacts"]["amp"] |= {"path": relative, "sha256": artifacts.sha256_file(outside)}
+    manifest["artifacts"]["amp"] |= {"path": relative, "sha256": files.sha256_file(outside)}
     run.manifest_path.write_text(json.dumps(manifest))
     for args in (["quantize", "--methods", "ort-static"], REPORT):
         proc = _pipeline(run, *args)

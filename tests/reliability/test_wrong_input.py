@@ -20,6 +20,7 @@ from PIL import Image
 import pipeline
 from pipeline.cli import cli
 from pipeline.inputs import checked_batch, value_range
+from stages import predict
 from stages.data import preprocess
 from stages.data.datasets import splits_of_run
 from stages.run.errors import PipelineError
@@ -171,12 +172,12 @@ def test_a_second_sigterm_ends_a_process_the_first_could_not(tmp_path):
 
 
 def test_ctrl_c_exits_130(tiny_run, monkeypatch):
-    import pipeline.api
+    from stages import runtimes
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pipeline.api, "load", interrupted)
+    monkeypatch.setattr(runtimes, "load", interrupted)  # while predict loads the model
     result = _invoke("--artifacts-dir", str(tiny_run["run"].artifacts_dir), "predict",
                      str(Path(__file__)))
     assert result.exit_code == 130
@@ -234,8 +235,8 @@ def test_a_name_holding_a_newline_cannot_forge_a_result_line(tmp_path, capsys):
     spec = {"colour": "L", "image_size": 8, "channels": 1, "mean": [0.5], "std": [0.5],
             "classes": ["cat\n/forged.png: dog (1.000)", "dog"]}
     image = _digit(tmp_path / "x\ny.png")
-    skipped = preprocess.print_predictions([image], spec, lambda batch: np.array([[5.0, 0.0]]),
-                                           4, 1, "pipeline")
+    skipped = predict.print_predictions([image], spec, lambda batch: np.array([[5.0, 0.0]]),
+                                        4, 1, "pipeline")
     out = capsys.readouterr().out
     assert skipped == 0 and out.count("\n") == 1
     assert out == f"{tmp_path}/x\\ny.png: cat\\n/forged.png: dog (1.000) (0.993)\n"
@@ -289,7 +290,7 @@ def test_export_onto_a_link_to_an_empty_folder_writes_there(cheap_run, tmp_path)
     assert result.exit_code == 0, result.stderr
     assert (tmp_path / "link").is_symlink()
     assert (tmp_path / "target" / "model.onnx").is_file()
-    assert preprocess.verify_folder(tmp_path / "target") is None
+    assert predict.verify_folder(tmp_path / "target") is None
     # The exported predict.py checks its files first: a changed one stops it, exit 1.
     spec = tmp_path / "target" / "preprocessing.json"
     spec.write_text(spec.read_text().replace('"image_size": 8', '"image_size": 9'))
@@ -314,9 +315,10 @@ def test_a_rerun_that_succeeds_drops_the_old_error(cheap_run):
 def test_report_checks_every_variants_file_before_it_loads_any(cheap_run, monkeypatch):
     from pipeline.config import ReportConfig
     from stages import report
+    from stages.report import measuring
 
     loaded = []
-    monkeypatch.setattr(report, "predict_dataset",
+    monkeypatch.setattr(measuring, "predict_dataset",
                         lambda *args: loaded.append(args) or pytest.fail("a variant was scored"))
     path = cheap_run.root / cheap_run.entry("ort-static")["path"]
     path.write_bytes(path.read_bytes() + b"\0")  # the last variant the report would load

@@ -14,7 +14,7 @@ from pipeline.cli import cli
 from pipeline.config import ImportConfig, TrainConfig
 from stages import import_model, train
 from stages.models import weights
-from stages.run import artifacts
+from stages.run import artifacts, files, loading
 from stages.run.errors import PipelineError
 
 USER_MODULE = """
@@ -84,7 +84,7 @@ def test_a_timm_model_trains_quantizes_and_reports(tmp_path):
 
 
 def test_an_imported_checkpoint_is_the_fp32_source_of_quantize_and_report(tiny_run, tmp_path):
-    trained = artifacts.load_checkpoint(tiny_run["run"].verified_path("fp32"))["state_dict"]
+    trained = loading.load_checkpoint(tiny_run["run"].verified_path("fp32"))["state_dict"]
     checkpoint = tmp_path / "elsewhere.pt"
     torch.save({"epoch": 7, "model_state_dict": {f"module.{k}": v for k, v in trained.items()}},
                checkpoint)
@@ -95,7 +95,7 @@ def test_an_imported_checkpoint_is_the_fp32_source_of_quantize_and_report(tiny_r
     run = artifacts.open_run(tmp_path / "artifacts", "imported")
     entry = run.entry("fp32")
     assert entry["stage"] == "import" and "amp" not in run.artifacts()
-    assert entry["imported_from"]["sha256"] == artifacts.sha256_file(checkpoint)
+    assert entry["imported_from"]["sha256"] == files.sha256_file(checkpoint)
     assert run.entry("onnx-fp32")["parent"] == "fp32"
     models = {m["name"]: m for m in _report(tmp_path, "imported")["models"]}
     assert models["fp32"]["accuracy"] == pytest.approx(tiny_run["train"]["fp32"].test_accuracy)
@@ -103,7 +103,7 @@ def test_an_imported_checkpoint_is_the_fp32_source_of_quantize_and_report(tiny_r
 
 
 def test_import_refuses_weights_that_do_not_fit_naming_the_key(tiny_run, tmp_path):
-    trained = artifacts.load_checkpoint(tiny_run["run"].verified_path("fp32"))["state_dict"]
+    trained = loading.load_checkpoint(tiny_run["run"].verified_path("fp32"))["state_dict"]
     trained["12.weight"] = torch.zeros(5, 64)  # a classifier for 5 classes, not 10
     path = tmp_path / "five.pt"
     torch.save(trained, path)
@@ -133,7 +133,7 @@ def test_starting_weights_replace_the_classifier_and_adapt_the_first_convolution
     assert notes == ["0.weight: 3 input channel(s) adapted to 1",
                      "12.weight (1000, 64) replaced by a new (10, 64) for this data's classes",
                      "12.bias (1000,) replaced by a new (10,) for this data's classes"]
-    first = artifacts.load_checkpoint(run.verified_path("amp/checkpoint-last"))
+    first = loading.load_checkpoint(run.verified_path("amp/checkpoint-last"))
     assert result.test_accuracy > 0.3 and first["model"]["0.weight"].shape == (16, 1, 3, 3)
 
 

@@ -86,24 +86,24 @@ def test_the_recommendation_and_each_slow_int8_variant_are_profiled_against_floa
 
 
 def test_a_slow_int8_warning_names_the_operators_measured_to_take_the_time():
-    from stages import report
+    from stages.report import diagnosis, recommendation
     from tests.stages.test_report import _row
 
     rows = [_row("fp32", [10.0] * 6, 0.0, int8=False),
             _row("onnx-fp32", [5.0] * 6, 0.0, int8=False),
             _row("ort-static", [8.0] * 6, 0.0)]
-    report.speedups(rows, "fp32")
+    recommendation.speedups(rows, "fp32")
     profiles = {"batch_size": 32, "variants": {"ort-static": {"calls": 5, "operators": {
         "DequantizeLinear": 4.0, "QLinearConv": 3.0, "Conv": 1.0}}}, "tables": []}
-    slow = report.warnings_for(rows, "fp32", 1.0, {}, profiles)[0]
+    slow = diagnosis.warnings_for(rows, "fp32", 1.0, {}, profiles)[0]
     assert slow.startswith("ort-static is slower than the fastest float variant onnx-fp32")
     assert slow.endswith(" Measured at batch 32, its time goes to DequantizeLinear 4.00 ms (50%), "
                          "QLinearConv 3.00 ms (38%), Conv 1.00 ms (12%).")
-    assert "Measured" not in report.warnings_for(rows, "fp32", 1.0, {})[0]  # none profiled
+    assert "Measured" not in diagnosis.warnings_for(rows, "fp32", 1.0, {})[0]  # none profiled
     # On a CPU without VNNI the upstream cause is said in one line, with the measurement.
-    no_vnni = report.warnings_for(rows, "fp32", 1.0, {}, profiles, vnni=False)[0]
-    assert f"; and {report.NO_VNNI}. Measured at batch 32" in no_vnni
-    assert report.NO_VNNI not in slow
+    no_vnni = diagnosis.warnings_for(rows, "fp32", 1.0, {}, profiles, vnni=False)[0]
+    assert f"; and {diagnosis.NO_VNNI}. Measured at batch 32" in no_vnni
+    assert diagnosis.NO_VNNI not in slow
 
 
 def test_the_report_shows_where_the_recommendations_time_goes(tiny_run):

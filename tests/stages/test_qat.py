@@ -10,21 +10,20 @@ from pipeline.config import QatConfig, TrainConfig
 from stages import qat
 from stages.data.datasets import load_splits
 from stages.run.errors import PipelineError
-from stages.runtimes import pytorch as torch_runtime
-from stages.runtimes import qdq_onnx
+from stages.runtimes import onnx_export, pt2e, qdq_onnx
+from stages.runtimes import qat as qat_runtime
 from stages.training import batchnorm
+from stages.training import loop as training_loop
 from tests.conftest import TINY_TRAIN
 
 
 @pytest.mark.slow
 def test_frozen_batchnorm_keeps_its_statistics_while_training_goes_on():
-    quantize_pt2e, _ = torch_runtime._pt2e()
     from stages.models.builtin import smallcnn
 
     spec = {"model": "smallcnn", "num_classes": 10, "in_channels": 1, "image_size": 8}
-    graph = torch_runtime.export_graph(smallcnn(10, 1), spec, train=True)
-    prepared = quantize_pt2e.prepare_qat_pt2e(
-        graph, torch_runtime.make_quantizer(torch_runtime.pt2e_options(), qat=True))
+    graph = pt2e.export_graph(smallcnn(10, 1), spec, train=True)
+    prepared = pt2e.prepare_qat(graph, pt2e.pt2e_options())
     images = load_splits(TrainConfig(**TINY_TRAIN)).train.tensors[0][:64]
     optimizer = torch.optim.SGD(prepared.parameters(), lr=0.1)
 
@@ -76,7 +75,8 @@ def test_the_qat_stage_leaves_a_checked_int8_model(tiny_qat_run):
 @pytest.mark.slow
 def test_a_fine_tuned_model_is_judged_on_the_validation_split_alone(tiny_qat_run):
     from stages import runtimes
-    from stages.data.datasets import splits_of_run, validation_halves
+    from stages.data.datasets import splits_of_run
+    from stages.data.subsets import validation_halves
     from stages.measure.evaluate import predict_dataset
 
     run, data = tiny_qat_run["run"], tiny_qat_run["report"]
@@ -132,8 +132,8 @@ def test_ort_qat_is_kept_only_where_onnx_runtime_agrees_with_torch_qat(
     from tests.conftest import _copy
 
     run = _copy(tiny_run["run"], tmp_path / "artifacts")
-    real = qat.compare_logits
-    monkeypatch.setattr(qat, "compare_logits", lambda a, b: real(a, b) | {
+    real = qat_runtime.compare_logits
+    monkeypatch.setattr(qat_runtime, "compare_logits", lambda a, b: real(a, b) | {
         "top1_agreement": agreement})
     qat.run(QatConfig(epochs=1), run)
     if agreement >= 0.98:
@@ -154,13 +154,13 @@ def test_batchnorm_statistics_of_the_qat_graph_are_recomputed_from_training_imag
     model's own BatchNorm computes it with momentum None."""
     from torch import nn
 
-    from stages.data.datasets import make_loader
+    from stages.data.loaders import make_loader
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4, momentum=0.0003), nn.ReLU(),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
     spec = {"model": "test", "num_classes": 10, "in_channels": 1, "image_size": 8}
-    graph = torch_runtime.export_graph(copy.deepcopy(model), spec, train=True)
+    graph = pt2e.export_graph(copy.deepcopy(model), spec, train=True)
     splits = load_splits(TrainConfig(**TINY_TRAIN))
     batchnorm.recompute_graph(graph, splits.calibration, 64, torch.device("cpu"))
     running = {k: v.clone() for k, v in graph.state_dict().items() if "running" in k}
@@ -230,17 +230,11 @@ def test_qat_trains_with_the_weight_quantization_it_deploys():
     convert_pt2e will deploy (it asks each one's observer). torchao 0.18's fused fake-quant
     kernel made one-signed weight channels affine: zero point +-127/128 and half the step of
     the symmetric int8 that is deployed."""
-    quantize_pt2e, _ = torch_runtime._pt2e()
-    from torchao.quantization.pt2e import disable_observer, move_exported_model_to_eval
-
     spec = {"model": "net", "num_classes": 10, "in_channels": 1, "image_size": 8}
-    graph = torch_runtime.export_graph(_one_signed_conv_net(), spec, train=True)
-    prepared = quantize_pt2e.prepare_qat_pt2e(
-        graph, torch_runtime.make_quantizer(torch_runtime.pt2e_options(), qat=True))
-    move_exported_model_to_eval(prepared)
+    prepared = qat_runtime.prepare(_one_signed_conv_net(), spec, torch.device("cpu"))
     with torch.no_grad():
         prepared(torch.rand(64, 1, 8, 8))  # the observers see the images once
-    prepared.apply(disable_observer)
+    qat_runtime.observe(prepared, False)
     quantizers = [m for m in prepared.modules() if hasattr(m, "fake_quant_enabled")]
     weights = [m for m in quantizers if m.qscheme == torch.per_channel_symmetric]
     assert len(quantizers) == 4 and len(weights) == 2  # input, conv and linear weights, ReLU
@@ -272,7 +266,7 @@ def test_weights_that_diverge_mid_epoch_are_one_clear_error(tmp_path, monkeypatc
 
     run = artifacts.create_run(tmp_path, "diverges")
     train.run(TrainConfig(**TINY_TRAIN | {"epochs": 1, "baseline": False}), run)
-    real_step, steps = qat.train_step, []
+    real_step, steps = training_loop.train_step, []
 
     def unrelated_assertion_at_the_second_step(parts, *args):
         steps.append(args[-1])
@@ -280,7 +274,7 @@ def test_weights_that_diverge_mid_epoch_are_one_clear_error(tmp_path, monkeypatc
             raise AssertionError("not about divergence")
         real_step(parts, *args)
 
-    monkeypatch.setattr(qat, "train_step", unrelated_assertion_at_the_second_step)
+    monkeypatch.setattr(training_loop, "train_step", unrelated_assertion_at_the_second_step)
     with pytest.raises(AssertionError, match="^not about divergence$"):
         qat.run(QatConfig(epochs=2, quiet=True), run)
 
@@ -292,7 +286,7 @@ def test_weights_that_diverge_mid_epoch_are_one_clear_error(tmp_path, monkeypatc
                 next(parts.model.parameters()).fill_(float("nan"))
 
     steps.clear()
-    monkeypatch.setattr(qat, "train_step", weights_nan_after_the_second_step)
+    monkeypatch.setattr(training_loop, "train_step", weights_nan_after_the_second_step)
     with pytest.raises(Diverged, match=r"^qat: the fake-quantized model diverged at epoch 1 "
                        r"step 3: its weights or activations became NaN or infinite; "
                        r"lower --lr \(now 0.005\)$"):  # auto fine-tunes in fp32 already
@@ -301,7 +295,7 @@ def test_weights_that_diverge_mid_epoch_are_one_clear_error(tmp_path, monkeypatc
 
 
 def test_tuning_time_cuts_the_epochs_to_what_fits_and_scales_the_freezes_alike():
-    from stages.qat import Plan, fitted_plan
+    from stages.training.plans import Plan, fitted_plan
 
     three_minutes = QatConfig(tuning_time="3m")  # 10 epochs; BN frozen after 5, ranges after 7
     assert fitted_plan(three_minutes, 1, 150.0) == Plan(1, 1, 1)  # efficientnet_b0's pace here
@@ -388,7 +382,7 @@ def test_stochastic_depth_is_off_in_fine_tuning_so_the_int8_model_is_determinist
     info = run.entry("torch-qat")["quantization"]
     assert info["precision"] == "fp32"
     assert info["stochastic_depth_off"] == ["2.drop", "3.drop"]
-    graph = torch_runtime.load_pt2e(run, "torch-qat")
+    graph = pt2e.load_pt2e(run, "torch-qat")
     assert not [n for n in graph.graph.nodes if "bernoulli" in str(n.target)]
     images = load_splits(TrainConfig(**TINY_TRAIN)).val.tensors[0][:64]
     assert torch.equal(graph(images), graph(images))
@@ -424,8 +418,33 @@ def test_ort_qat_runs_every_conv_and_linear_in_int8_where_a_conv_meets_a_residua
     model = onnx.load(str(run.verified_path("ort-qat")))
     assert qdq_onnx.conv_outputs_into_adds(model) == []
     # The export alone has both: the two block-end convs feed their Adds unquantized.
-    torch_qat = torch_runtime.load_pt2e(run, "torch-qat")
+    torch_qat = pt2e.load_pt2e(run, "torch-qat")
     exported = tmp_path / "exported.onnx"
     images = load_splits(TrainConfig(**TINY_TRAIN)).val.tensors[0][:2]
-    qat.onnx_export.export_onnx(torch_qat, images, exported)
+    onnx_export.export_onnx(torch_qat, images, exported)
     assert len(qdq_onnx.conv_outputs_into_adds(onnx.load(str(exported)))) == 2
+
+
+def test_the_qat_variants_are_registered_like_every_other_and_listed_with_their_runtime():
+    """torch-qat and ort-qat are registered by runtimes/qat.py, after every runtime module,
+    and still listed (in the report too) with their own runtime's variants, where they were
+    before; quantize neither offers nor makes them."""
+    from stages import quantize, runtimes
+
+    names = list(runtimes.VARIANTS)
+    made_by_qat = [n for n in names if runtimes.VARIANTS[n].stage == "qat"]
+    assert made_by_qat == ["torch-qat", "ort-qat"]
+    assert names.index("torch-qat") == names.index("torch-static") + 1
+    assert names.index("ort-qat") == names.index("ort-static") + 1
+    assert names[-1] == "openvino-int8"
+    assert not set(made_by_qat) & set(runtimes.made_by_quantize())
+    assert runtimes.VARIANTS["ort-qat"].source == "torch-qat"
+    with pytest.raises(PipelineError, match="torch-qat cannot be made by quantize"):
+        quantize.plan(_NoArtifacts(), ("torch-qat",))
+
+
+class _NoArtifacts:
+    """A run with a float model and nothing made from it."""
+
+    def artifacts(self):
+        return {"amp": {}}

@@ -11,7 +11,7 @@ import torch
 from pipeline.config import ReportConfig
 from stages import report
 from stages.measure import contention, timing
-from stages.report import plots
+from stages.report import diagnosis, judging, measuring, plots, recommendation
 from stages.report.markdown import markdown
 from tests.conftest import ALL_VARIANTS
 
@@ -89,8 +89,8 @@ def test_where_validation_and_test_disagree_validation_decides():
             _row("onnx-fp32", [5.0] * 6, 0.0, int8=False),
             _row("torch-static", [1.0] * 6, 3.0, test_drop=0.0),
             _row("ort-static", [2.0] * 6, 0.2, test_drop=5.0)]
-    report.speedups(rows, "fp32")
-    v = report.verdict(rows, "fp32", budget_points=1.0)
+    recommendation.speedups(rows, "fp32")
+    v = recommendation.verdict(rows, "fp32", budget_points=1.0)
     assert v["recommended"] == "ort-static"
     assert v["validation_change_points"] == pytest.approx(-0.2)
     assert v["accuracy_change_points"] == pytest.approx(-5.0)
@@ -118,21 +118,21 @@ def test_changes_are_measured_against_the_model_the_variants_are_made_from():
                                  "validation split",
                                  "the half of the validation split qat did not choose its epoch on")
     apart = _Manifest(_entries({"precision": "fp32"}))  # amp trained in bf16, fp32 on its own
-    assert report.reference_of(apart, list(apart.entries)) == "amp"
-    judged = {name: report.judged_images(apart, name, "amp") for name in apart.entries}
+    assert judging.reference_of(apart, list(apart.entries)) == "amp"
+    judged = {name: judging.judged_images(apart, name, "amp") for name in apart.entries}
     # The fp32 baseline is another training: training images would measure its memorisation.
     assert judged == {"fp32": baseline, "amp": selection, "torch-static": selection,
                       "onnx-fp32": selection, "ort-static": selection, "torch-qat": half,
                       "ort-qat": half}
 
     one = _Manifest(_entries({"precision": "fp32", "same_run_as": "amp"}))  # fp32 is amp's copy
-    assert report.reference_of(one, list(one.entries)) == "fp32"
-    judged = {name: report.judged_images(one, name, "fp32") for name in one.entries}
+    assert judging.reference_of(one, list(one.entries)) == "fp32"
+    judged = {name: judging.judged_images(one, name, "fp32") for name in one.entries}
     assert judged == {"fp32": selection, "amp": selection, "torch-static": selection,
                       "onnx-fp32": selection, "ort-static": selection, "torch-qat": half,
                       "ort-qat": half}
-    assert report.reference_of(one, ["fp32"]) == "fp32"  # an imported model
-    assert report.reference_of(apart, ["amp", "torch-static"]) == "amp"  # --no-baseline
+    assert judging.reference_of(one, ["fp32"]) == "fp32"  # an imported model
+    assert judging.reference_of(apart, ["amp", "torch-static"]) == "amp"  # --no-baseline
 
 
 def test_a_baseline_better_than_the_reference_beyond_the_budget_is_a_warning():
@@ -142,9 +142,9 @@ def test_a_baseline_better_than_the_reference_beyond_the_budget_is_a_warning():
         return {"name": "fp32", "int8": False, "speedup_vs_best_float": {},
                 "validation": {"change_vs_reference": change}}
 
-    warned = report.warnings_for([baseline(0.015)], "amp", 1.0, {})
+    warned = diagnosis.warnings_for([baseline(0.015)], "amp", 1.0, {})
     assert len(warned) == 1 and warned[0].startswith("amp scores 2.50 points below the fp32")
-    assert report.warnings_for([baseline(0.005)], "amp", 1.0, {}) == []
+    assert diagnosis.warnings_for([baseline(0.005)], "amp", 1.0, {}) == []
 
 
 def test_each_pair_of_variants_is_compared_once():
@@ -156,11 +156,11 @@ def test_each_pair_of_variants_is_compared_once():
         "torch-qat": {"parent": "amp"}, "ort-qat": {"parent": "torch-qat"}})
     logits = {name: torch.eye(4) + 0.01 * i for i, name in enumerate(manifest.entries)}
     logits["ort-qat"] = torch.eye(4).flip(0)  # disagrees with torch-qat on every image
-    pairs = [(p["a"], p["b"]) for p in report.parity(manifest, logits)]
+    pairs = [(p["a"], p["b"]) for p in measuring.parity(manifest, logits)]
     assert pairs == [("amp", "torch-static"), ("amp", "onnx-fp32"), ("onnx-fp32", "ort-static"),
                      ("amp", "torch-qat"), ("torch-qat", "ort-qat"),
                      ("torch-static", "ort-static")]
-    assert len(report.parity_warnings(report.parity(manifest, logits))) == 1
+    assert len(diagnosis.parity_warnings(measuring.parity(manifest, logits))) == 1
 
 
 def _row(name, p50_rounds, validation_drop, test_drop=0.0, int8=True, size=1.0,
@@ -186,8 +186,8 @@ def test_verdict_ranks_by_validation_budget_and_says_within_noise():
             _row("torch-static", [2.0] * 6, 3.0, test_drop=0.0),   # fastest, misses the budget
             _row("ort-static", [2.5, 2.6, 2.4, 2.5, 2.6, 2.4], 0.5),
             _row("openvino-int8", [2.55, 2.45, 2.5, 2.6, 2.4, 2.5], 0.2)]
-    report.speedups(rows, "fp32")
-    v = report.verdict(rows, "fp32", budget_points=1.0)
+    recommendation.speedups(rows, "fp32")
+    v = recommendation.verdict(rows, "fp32", budget_points=1.0)
     assert v["recommended"] in ("ort-static", "openvino-int8")
     choice = v["per_batch_size"]["32"]
     assert choice["best_float"] == "onnx-fp32"
@@ -195,7 +195,7 @@ def test_verdict_ranks_by_validation_budget_and_says_within_noise():
     assert v["speedup_vs_best_float"] == pytest.approx(2.0, rel=0.05)
     assert v["speedup"] == pytest.approx(4.0, rel=0.05) and v["size_ratio"] == 0.25
     # With a looser budget the fastest wins; no interval holds 1 against it.
-    looser = report.verdict(rows, "fp32", budget_points=5.0)
+    looser = recommendation.verdict(rows, "fp32", budget_points=5.0)
     assert looser["recommended"] == "torch-static"
     assert looser["per_batch_size"]["32"]["within_noise_of"] == []
 
@@ -206,12 +206,12 @@ def test_a_drop_measured_within_the_budget_that_the_images_cannot_vouch_for_is_n
     rows = [_row("fp32", [10.0] * 6, 0.0, int8=False),
             _row("torch-static", [2.0] * 6, 0.4, worst_drop=1.6),
             _row("ort-static", [3.0] * 6, 0.5, worst_drop=0.9)]
-    report.speedups(rows, "fp32")
-    v = report.verdict(rows, "fp32", budget_points=1.0)
+    recommendation.speedups(rows, "fp32")
+    v = recommendation.verdict(rows, "fp32", budget_points=1.0)
     assert v["recommended"] == "ort-static"
     assert v["validation_change_points"] == pytest.approx(-0.5)
     assert v["validation_worst_change_points"] == pytest.approx(-0.9)
-    warned = report.warnings_for(rows, "fp32", 1.0, training={})
+    warned = diagnosis.warnings_for(rows, "fp32", 1.0, training={})
     assert [w for w in warned if "may lose up to 1.60 points" in w]
 
 
@@ -220,8 +220,8 @@ def test_the_recommendation_is_for_the_largest_batch_whatever_order_they_were_li
     for row in rows:  # batch 1 listed after batch 32, where ort-static is the slower
         row["latency_ms"]["1"] = timing.Timing([[5.0 if row["int8"] else 1.0] * 4] * 6).summary(
             ) | {"rounds_ms": [[5.0 if row["int8"] else 1.0] * 4] * 6}
-    report.speedups(rows, "fp32")
-    v = report.verdict(rows, "fp32", budget_points=1.0)
+    recommendation.speedups(rows, "fp32")
+    v = recommendation.verdict(rows, "fp32", budget_points=1.0)
     assert v["batch_size"] == 32 and v["recommended"] == "ort-static"
     assert v["per_batch_size"]["1"]["recommended"] == "fp32"
 
@@ -234,8 +234,8 @@ def test_warnings_explain_slow_int8_from_what_it_contains():
             _row("torch-static", [2.0] * 6, 3.0)]
     rows[2]["op_counts"] = {"Conv": {"int8": 3, "float": 0, "ops": {"ConvInteger": 3}}}
     rows[3]["op_counts"] = {"Linear": {"int8": 9, "float": 0, "ops": {"MatMulInteger": 9}}}
-    report.speedups(rows, "fp32")
-    found = report.warnings_for(rows, "fp32", 1.0, training={})
+    recommendation.speedups(rows, "fp32")
+    found = diagnosis.warnings_for(rows, "fp32", 1.0, training={})
     assert len(found) == 3
     assert "ort-dynamic is slower than the fastest float variant onnx-fp32" in found[0]
     assert "ConvInteger" in found[0]
@@ -243,11 +243,11 @@ def test_warnings_explain_slow_int8_from_what_it_contains():
     assert found[2] == ("torch-static may lose up to 3.00 points of held-out accuracy against "
                         "fp32 at 95% confidence (measured: -3.00), more than the budget of 1.")
     rows[4]["op_counts"] = {"Conv": {"int8": 1, "float": 2}}
-    assert report.diagnose_slow(rows[4]).startswith("2 of 3 Conv layers still run in float")
+    assert diagnosis.diagnose_slow(rows[4]).startswith("2 of 3 Conv layers still run in float")
     # Dynamic int8 of a conv net's classifier: its convolutions were never meant to be int8.
     rows[2]["op_counts"] = {"Conv": {"int8": 0, "float": 20}, "Linear": {"int8": 1, "float": 0}}
     rows[2]["quantization"] = {"options": {"dynamic": True}}
-    assert report.diagnose_slow(rows[2]) == (
+    assert diagnosis.diagnose_slow(rows[2]) == (
         "dynamic int8 quantizes the fully connected layers alone, and its 20 Conv layers run in "
         "float as in the float model; static int8 quantizes them")
 
@@ -349,13 +349,14 @@ def test_gpu_rows_are_set_apart_from_cpu_rows_in_the_verdict_and_the_markdown(ti
     for row in cpu_rows:
         row.pop("speedup_vs_reference"), row.pop("speedup_vs_best_float")
     rows = cpu_rows + gpu_rows
-    report.speedups(rows, "fp32")
+    recommendation.speedups(rows, "fp32")
     assert gpu_rows[1]["speedup_vs_reference"]["32"]["ratio"] == pytest.approx(1.5)  # vs fp32@cuda
     assert gpu_rows[0]["speedup_vs_best_float"]["32"]["best_float"] == "amp@cuda"
     assert all(r["speedup_vs_best_float"]["32"]["best_float"] != "amp@cuda" for r in cpu_rows)
     before = tiny_run["report"]["verdict"]["recommended"]
-    data["verdict"] = report.verdict(report.on_device(rows, "cpu"), "fp32", 1.0) | {
-        "device": "cpu", "gpu": report.verdict(gpu_rows, "fp32@cuda", 1.0) | {"device": "cuda"}}
+    on_gpu = recommendation.verdict(gpu_rows, "fp32@cuda", 1.0) | {"device": "cuda"}
+    data["verdict"] = recommendation.verdict(recommendation.on_device(rows, "cpu"), "fp32",
+                                             1.0) | {"device": "cpu", "gpu": on_gpu}
     data["models"] = rows
     data["environment"] |= {"gpu": "NVIDIA H200", "gpu_rows": True, "gpu_note": ""}
     assert data["verdict"]["recommended"] == before
@@ -429,7 +430,7 @@ def test_a_report_timed_beside_a_busy_core_says_so(monkeypatch):
                               stdout=subprocess.PIPE, text=True)
     try:
         assert burner.stdout.readline() == "burning\n"
-        timings, conditions = report.time_variants(loaded, _Vectors(), config, threads)
+        timings, conditions = measuring.time_variants(loaded, _Vectors(), config, threads)
     finally:
         burner.kill()
         burner.wait()
@@ -442,8 +443,8 @@ def test_a_report_timed_beside_a_busy_core_says_so(monkeypatch):
     for row in rows:
         rounds = [[s * 1000 for s in calls] for calls in timings["32"][row["name"]].rounds]
         row["latency_ms"]["32"] = timings["32"][row["name"]].summary() | {"rounds_ms": rounds}
-    report.speedups(rows, "fp32")
-    v = contention.mark_verdict(report.verdict(rows, "fp32", 1.0), conditions, "cpu")
+    recommendation.speedups(rows, "fp32")
+    v = contention.mark_verdict(recommendation.verdict(rows, "fp32", 1.0), conditions, "cpu")
     assert v["timing_clean"] is False and v["per_batch_size"]["32"]["timing_clean"] is False
     [warning] = contention.warnings(conditions)
     assert warning.startswith(f"Other processes used {session['others_cores']:.2f} cores on "

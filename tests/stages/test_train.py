@@ -5,14 +5,14 @@ import torch
 
 from pipeline.config import TrainConfig
 from stages import report, train
-from stages.run import artifacts
-from stages.training import batchnorm
+from stages.run import artifacts, loading
+from stages.training import batchnorm, failures, memory
 from stages.training.precision import Precision
 from tests.conftest import TINY_TRAIN
 
 
 def _weights(run, variant):
-    return artifacts.load_checkpoint(run.verified_path(variant))["state_dict"]
+    return loading.load_checkpoint(run.verified_path(variant))["state_dict"]
 
 
 def test_amp_in_fp32_is_trained_once_and_listed_as_the_baseline(tmp_path):
@@ -50,7 +50,7 @@ def test_outputs_of_a_training_run(tiny_run):
         assert result.val_accuracy == max(h["val_accuracy"] for h in history)
         assert result.samples_per_second == pytest.approx(
             history[-1]["samples_per_second"])
-        checkpoint = artifacts.load_checkpoint(run.verified_path(f"{variant}/checkpoint-last"))
+        checkpoint = loading.load_checkpoint(run.verified_path(f"{variant}/checkpoint-last"))
         assert {"model", "optimizer", "scheduler", "scaler", "position", "rng",
                 "config"} <= set(checkpoint)
         assert checkpoint["position"] == {"epoch": 2, "step_in_epoch": 21, "global_step": 42}
@@ -82,12 +82,12 @@ def test_model_pt_is_the_epoch_chosen_on_validation(tmp_path, monkeypatch):
     (result,) = train.run(TrainConfig(**TINY_TRAIN | {"epochs": 3, "baseline": False,
                                                        "keep_checkpoints": 3}), run)
     assert result.best_epoch == 1 and result.val_accuracy == 0.9
-    best = artifacts.load_checkpoint(run.verified_path("amp/checkpoint-best"))
+    best = loading.load_checkpoint(run.verified_path("amp/checkpoint-best"))
     assert best["position"]["epoch"] == 1
     saved = _weights(run, "amp")
     assert all(torch.equal(saved[k], best["model"][k]) for k in saved)
     assert run.entry("amp")["chosen"] == "epoch 1, best validation accuracy"
-    last = artifacts.load_checkpoint(run.verified_path("amp/checkpoint-last"))
+    last = loading.load_checkpoint(run.verified_path("amp/checkpoint-last"))
     assert not all(torch.equal(saved[k], last["model"][k]) for k in saved)
 
 
@@ -97,7 +97,7 @@ def test_fp16_with_grad_scaler_trains_on_cpu_without_skipping(tmp_path):
                                                        "grad_clip": 1.0}), run)
     assert result.precision == "fp16" and result.test_accuracy > 0.5
     assert result.skipped_steps == 0 and result.optimizer_steps == 42
-    scaler = artifacts.load_checkpoint(run.verified_path("amp/checkpoint-last"))["scaler"]
+    scaler = loading.load_checkpoint(run.verified_path("amp/checkpoint-last"))["scaler"]
     # 42 steps without inf gradients: the scale has not backed off nor yet grown (interval 2000).
     assert scaler["scale"] == 2.0 ** 16 and scaler["_growth_tracker"] == 42
     assert "fp32" not in run.artifacts()
@@ -120,19 +120,19 @@ def test_training_memory_is_measured_alike_whichever_model_comes_first():
     apart (58.0 against 66.0 MB, a CI run on 2026-12-02): a quarter is allowed, far from the
     3.5x this guards against."""
     config = TrainConfig(**TINY_TRAIN | {"image_size": 32})
-    first, again = (train.peak_memory_in_fresh_process(config, Precision("fp32"))[0]
+    first, again = (memory.peak_memory_in_fresh_process(config, Precision("fp32"))[0]
                     for _ in range(2))
     assert first > 1e6 and abs(first - again) <= 0.25 * max(first, again), (first, again)
 
 
 def test_validation_at_chance_while_training_learns_is_flagged():
     # The digits' validation split: 144 images, the largest class 10.4% of them.
-    assert train._at_chance(train_accuracy=0.994, val_accuracy=0.0972, chance=0.104,
+    assert failures.at_chance(train_accuracy=0.994, val_accuracy=0.0972, chance=0.104,
                             val_size=144)
-    assert train._at_chance(train_accuracy=0.45, val_accuracy=0.188, chance=0.104, val_size=144)
-    assert not train._at_chance(train_accuracy=0.994, val_accuracy=0.95, chance=0.104,
+    assert failures.at_chance(train_accuracy=0.45, val_accuracy=0.188, chance=0.104, val_size=144)
+    assert not failures.at_chance(train_accuracy=0.994, val_accuracy=0.95, chance=0.104,
                                 val_size=144)
-    assert not train._at_chance(train_accuracy=0.3, val_accuracy=0.1, chance=0.104,
+    assert not failures.at_chance(train_accuracy=0.3, val_accuracy=0.1, chance=0.104,
                                 val_size=144)  # still learning
 
 
@@ -184,7 +184,7 @@ def test_a_time_budget_plans_the_epochs_that_fit_and_ends_the_schedule_with_them
                                                        "baseline": False}), run)
     assert result.epochs_run == 1 and result.epochs == 4
     assert result.stopped == "time: 1 epoch fit --time (0 s for this model)"
-    last = artifacts.load_checkpoint(run.verified_path("amp/checkpoint-last"))
+    last = loading.load_checkpoint(run.verified_path("amp/checkpoint-last"))
     steps = last["position"]["global_step"]
     assert last["scheduler"]["lr_lambdas"][0]["total_steps"] == steps  # cut from 4 epochs
     assert last["totals"]["planned_epochs"] == 1
@@ -238,7 +238,7 @@ def test_lr_auto_finds_a_learning_rate_by_a_range_test_and_keeps_its_curve(tmp_p
     assert curve["chosen"] <= curve["minimum"] / 10
     assert 10 < curve["steps"] <= lr_range.MAX_STEPS and len(curve["lrs"]) == curve["steps"]
     assert curve["lrs"] == sorted(curve["lrs"])  # rising exponentially
-    checkpoint = artifacts.load_checkpoint(run.verified_path("amp/checkpoint-last"))
+    checkpoint = loading.load_checkpoint(run.verified_path("amp/checkpoint-last"))
     assert checkpoint["config"]["lr"] == curve["chosen"]  # what training used
     learning_rate = report.learning_rate_of(run)
     assert learning_rate["value"] == curve["chosen"] and learning_rate["found_by"] == "range test"
@@ -266,3 +266,21 @@ def test_the_range_test_chooses_below_the_minimum_and_refuses_a_loss_that_never_
                                             r"learning rate rose over 1.0e-05 to 7.9e\+00 in 60 "
                                             r"steps \(the smoothed loss went from 2.3 to at best"):
         lr_range.choose(lrs, [2.3] * 60)
+
+
+def test_resume_takes_the_runs_own_configuration_with_todays_quiet_and_device(tmp_path):
+    """train rebuilds its configuration for --resume from the run's config.json: every
+    setting as the run was started, but for --quiet and --device, which are today's."""
+    from dataclasses import asdict
+
+    from stages.run.errors import UsageError
+
+    run = artifacts.create_run(tmp_path, "resumed")
+    with pytest.raises(UsageError, match="run 'resumed' has no saved training configuration "
+                                         "to resume"):
+        train.resumed_config(TrainConfig(), run)
+    started = TrainConfig(**TINY_TRAIN | {"lr": 0.05, "epochs": 3, "device": "auto"})
+    run.record_config("train", asdict(started) | {"resolved_precision": "bf16",
+                                                  "resolved_lr": 0.05})
+    resumed = train.resumed_config(TrainConfig(quiet=True, device="cpu"), run)
+    assert resumed == TrainConfig(**asdict(started) | {"quiet": True, "device": "cpu"})

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from stages.data.datasets import _stratified_split, calibration_batches, load_dataset
+from stages.data.datasets import load_dataset, stratified_split
+from stages.data.subsets import calibration_batches
 from stages.run.errors import PipelineError
 
 
@@ -53,7 +54,8 @@ class _Counting(torch.utils.data.Dataset):
 
 
 def test_the_selection_images_are_streamed_not_decoded_whole():
-    from stages.data.datasets import DataSplits, tuning_images
+    from stages.data.datasets import DataSplits
+    from stages.data.subsets import tuning_images
 
     train, val = _Counting(50_000), _Counting(300)
     splits = DataSplits(train, val, _Counting(10), train, num_classes=10, in_channels=1,
@@ -64,14 +66,14 @@ def test_the_selection_images_are_streamed_not_decoded_whole():
 
 def test_the_stratified_split_shares_the_held_out_part_among_classes_in_proportion():
     labels = np.array([0] * 50 + [1] * 30 + [2] * 3 + [3] * 2)
-    kept, held = _stratified_split(labels, 0.2, seed=0)
+    kept, held = stratified_split(labels, 0.2, seed=0)
     assert sorted(np.concatenate([kept, held])) == list(range(85))
     # ceil(0.2 x 85) = 17 is 10 + 6 + 0.6 + 0.4 by proportion: the larger remainder gets the
     # seventeenth, and the last class one more, since every class keeps one image and holds
     # one out however small its share.
     assert np.bincount(labels[held]).tolist() == [10, 6, 1, 1]
     assert np.bincount(labels[kept]).tolist() == [40, 24, 2, 1]
-    again, other = _stratified_split(labels, 0.2, seed=0), _stratified_split(labels, 0.2, seed=1)
+    again, other = stratified_split(labels, 0.2, seed=0), stratified_split(labels, 0.2, seed=1)
     assert np.array_equal(again[1], held) and not np.array_equal(other[1], held)
     with pytest.raises(PipelineError, match="class 9 has a single image; give every class two"):
-        _stratified_split(np.array([0, 0, 9]), 0.5, seed=0)
+        stratified_split(np.array([0, 0, 9]), 0.5, seed=0)

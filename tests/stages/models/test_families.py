@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from stages.models.build import CHAIN_MIN_SIZE, build_model, check_model_fits, torchvision_models
-from stages.run.artifacts import atomic_torch_save, load_checkpoint
 from stages.run.checkpoints import cpu_state_dict
 from stages.run.errors import UsageError
+from stages.run.files import atomic_torch_save
+from stages.run.loading import load_checkpoint
 
 CPU = torch.device("cpu")
 # family (torchvision module) -> (representative, smallest --image-size it trains at)
@@ -87,7 +88,7 @@ def test_one_training_step_at_the_smallest_size_and_its_weights_reload(family, t
 @pytest.mark.slow
 @pytest.mark.parametrize("family", PT2E_FAMILIES)
 def test_pt2e_int8_and_its_graph_file_at_the_smallest_size(family):
-    from stages.runtimes.pytorch import pt2e_options, quantize_pt2e
+    from stages.runtimes.pt2e import pt2e_options, quantize_pt2e
 
     name, size = FAMILIES[family]
     torch.manual_seed(0)

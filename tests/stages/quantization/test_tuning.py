@@ -1,5 +1,7 @@
 """Static int8 choices: --auto, the sensitivity fallback, and dynamic int8 on a Linear-heavy
 model."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -8,9 +10,14 @@ from stages import quantize, runtimes, train
 from stages.data.datasets import splits_of_run
 from stages.measure.evaluate import predict
 from stages.quantization import tuning
-from stages.run import artifacts
+from stages.run import artifacts, files
 from stages.runtimes.pytorch import load_float_module
 from tests.conftest import TINY_TRAIN
+
+# A backend for tests that script tuning.score: it builds and predicts nothing, and (without
+# layers) has no per-layer fallback.
+NOTHING_BUILT = tuning.Backend(build=lambda options, float_layers: None,
+                               predict=lambda model, images: None)
 
 
 def _outlier_run(tmp_path):
@@ -30,7 +37,7 @@ def _outlier_run(tmp_path):
         assert torch.allclose(predict(model, images), reference, atol=1e-2)
     entry = run.entry("amp")
     path = run.root / entry["path"]
-    artifacts.atomic_torch_save({"model_spec": entry["model_spec"],
+    files.atomic_torch_save({"model_spec": entry["model_spec"],
                                  "state_dict": model.state_dict()}, path)
     run.register("amp", path, kind="model", stage="test", config=entry["config"],
                  format="pytorch", model_spec=entry["model_spec"], training=entry["training"],
@@ -115,12 +122,13 @@ def test_score_bounds_the_drop_by_the_images_that_flipped():
     logits[900:915] = torch.tensor([1.0, 0.0])  # 15 it got wrong, now right
     reference = {"images": None, "labels": labels, "logits": reference_logits,
                  "accuracy": 0.9}
-    backend = {"build": lambda options, layers: None, "predict": lambda model, images: logits}
+    backend = tuning.Backend(build=lambda options, layers: None,
+                             predict=lambda model, images: logits)
     trial = tuning.score(backend, {}, (), reference)
     assert trial.drop_points == pytest.approx(1.0)
     assert trial.worst_drop_points == pytest.approx(1.0 + 1.645 * 0.6317, abs=1e-3)
     assert trial.agreement == pytest.approx(0.96)
-    same = {**backend, "predict": lambda model, images: reference_logits}
+    same = dataclasses.replace(backend, predict=lambda model, images: reference_logits)
     assert tuning.score(same, {}, (), reference).worst_drop_points == pytest.approx(0.0)
 
 
@@ -148,20 +156,20 @@ def test_trials_built_from_one_export_equal_trials_exported_afresh():
     """The per-layer fallback exports the model once and copies it per trial: a trial must
     not change the export the next one starts from."""
     from stages.models.builtin import smallcnn
-    from stages.runtimes import pytorch as torch_runtime
+    from stages.runtimes import pt2e
 
     torch.manual_seed(0)
     model = smallcnn(10, 1).eval()
     spec = {"model": "smallcnn", "num_classes": 10, "in_channels": 1, "image_size": 8}
     calibration = [torch.rand(32, 1, 8, 8) for _ in range(2)]
     images = torch.rand(64, 1, 8, 8)
-    options = torch_runtime.pt2e_options()
-    exported = torch_runtime.export_graph(model, spec)
-    layer = torch_runtime.layer_names(model)[1]
+    options = pt2e.pt2e_options()
+    exported = pt2e.export_graph(model, spec)
+    layer = pt2e.layer_names(model)[1]
 
     def logits(float_layers, exported=None):
-        return predict(torch_runtime.quantize_pt2e(model, spec, options, calibration,
-                                                   float_layers, exported=exported), images)
+        return predict(pt2e.quantize_pt2e(model, spec, options, calibration,
+                                          float_layers, exported=exported), images)
 
     first = logits((), exported)
     with_float_layer = logits((layer,), exported)
@@ -189,7 +197,7 @@ def _scripted_fallback(monkeypatch, layers, logit_mse_of, errors=None, deadline=
                             0.9)
 
     monkeypatch.setattr(tuning, "score", score)
-    record = tuning.keep_sensitive_layers_float({}, {}, layers, {}, budget_points=1.0,
+    record = tuning.keep_sensitive_layers_float(NOTHING_BUILT, {}, layers, {}, budget_points=1.0,
                                                 errors=errors, deadline=deadline)
     return record, built
 
@@ -233,7 +241,8 @@ def test_a_time_boxed_search_tries_what_it_can_and_keeps_nothing_outside_the_bud
     monkeypatch.setattr(tuning, "score", score)
     monkeypatch.setattr(tuning, "time_trials", lambda backend, trials, shape: None)
     candidates = [{"types": "u8s8", "per_channel": pc} for pc in (False, True)]
-    chosen, record = tuning.tune({"layers": lambda options: ["conv0"]}, candidates,
+    backend = dataclasses.replace(NOTHING_BUILT, layers=lambda options: ["conv0"])
+    chosen, record = tuning.tune(backend, candidates,
                                  {"labels": [0] * 5, "images": torch.zeros(5, 1, 8, 8)}, 1.0,
                                  seconds=0.01)
     assert chosen is None and record["chosen"] is None
@@ -248,7 +257,7 @@ def test_a_backend_without_layers_has_no_fallback_and_keeps_nothing_beyond_the_b
     record names how close it came, without a layer search it cannot do."""
     monkeypatch.setattr(tuning, "score", lambda backend, options, float_layers, reference:
                         tuning.Trial(options, (), None, 0.1, 80.0, 80.0, 4.0, 0.1))
-    chosen, record = tuning.tune({"build": None, "predict": None}, [{"per_channel": False}],
+    chosen, record = tuning.tune(NOTHING_BUILT, [{"per_channel": False}],
                                  {"labels": [0] * 5, "images": torch.zeros(5, 1, 8, 8)}, 1.0)
     assert chosen is None and record["chosen"] is None and "fallback" not in record
     assert record["closest"]["drop_points"] == 80.0
@@ -268,8 +277,8 @@ def test_the_fallback_starts_from_the_search_s_closest_trial_without_rebuilding_
 
     monkeypatch.setattr(tuning, "score", score)
     monkeypatch.setattr(tuning, "time_trials", lambda backend, trials, shape: None)
-    backend = {"layers": lambda options: ["conv0", "conv1"],
-               "errors": lambda options: {"conv0": 0.2, "conv1": 0.1}}
+    backend = dataclasses.replace(NOTHING_BUILT, layers=lambda options: ["conv0", "conv1"],
+                                  errors=lambda options: {"conv0": 0.2, "conv1": 0.1})
     candidates = [{"per_channel": pc} for pc in (False, True)]
     chosen, record = tuning.tune(backend, candidates,
                                  {"labels": [0] * 5, "images": torch.zeros(5, 1, 8, 8)}, 1.0)

@@ -35,7 +35,7 @@ def test_a_pattern_is_exported_once_and_each_use_gets_its_own_copy():
 
 
 def test_the_cache_is_installed_where_torchao_looks_the_function_up():
-    from stages.runtimes.pytorch import _pt2e
+    from stages.runtimes.pt2e import _pt2e
 
     _pt2e()
     from torchao.quantization.pt2e import qat_utils, utils

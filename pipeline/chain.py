@@ -1,0 +1,138 @@
+"""Run a chain of stages on one run: what `pipeline train quantize report` does once its flags
+are configs. The run is opened (or, for train and import, created) once, held by this process,
+and each stage is marked running, then complete or failed, in the run's manifest.
+
+A processor is (stage name, process(run)), made by the stage's Click command; process may carry
+check(artifacts_dir) (input no stage can work with, refused before any starts) and, for a stage
+that creates the run, preflight() (input that cannot work, refused before the run exists).
+Nothing here imports torch at module level.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Callable
+
+import click
+
+Processor = tuple[str, Callable]
+CREATES_A_RUN = ("train", "import")  # the first stage of a chain that starts a new run
+READS_ONLY = ("predict", "export")  # they change nothing in the run: no lock, no stage status
+TRAINING = ("train", "qat")  # on every torchrun rank; the other stages on rank 0 alone
+
+
+def run_chain(processors: list[Processor], artifacts_dir: Path, run_name: str | None, *,
+              device: str, quiet: bool, resume: bool, train_precision: str | None) -> None:
+    """Open (or create) the run once, then apply every stage to it in order."""
+    from stages.run import lock
+    from stages.training import distributed
+
+    if not processors:
+        return
+    _cap_isa_before_any_kernel(processors, train_precision, device,
+                               (artifacts_dir, run_name) if resume else None)
+    world = distributed.setup(device)  # a single process unless torchrun started us
+    try:
+        for _, process in processors:
+            getattr(process, "check", lambda artifacts_dir: None)(Path(artifacts_dir))
+        run = _the_run(processors, artifacts_dir, run_name, resume, world)
+        stages = " ".join(stage for stage, _ in processors)
+        reads_only = all(stage in READS_ONLY for stage, _ in processors)
+        with (lock.hold_run(run, stages) if world.is_main and not reads_only
+              else contextlib.nullcontext()):
+            for stage, process in processors:
+                if stage not in TRAINING and not world.is_main:
+                    continue  # quantize and report are single-process work for rank 0
+                seconds = _run_stage(run, stage, process,
+                                     world.is_main and stage not in READS_ONLY)
+                if world.is_main and not quiet and stage not in READS_ONLY:
+                    click.echo(f"{stage}: done in {_duration(seconds)}", err=True)
+    finally:
+        distributed.teardown()
+
+
+def _the_run(processors: list[Processor], artifacts_dir: Path, run_name: str | None,
+             resume: bool, world):
+    """The chain's run: a new one where the chain starts with train or import (not resumed),
+    made by rank 0 for every rank; else the existing one, which fails before any work starts
+    where it is missing."""
+    from stages.run import artifacts
+    from stages.training import distributed
+
+    if processors[0][0] not in CREATES_A_RUN or resume:
+        return artifacts.open_run(artifacts_dir, run_name)
+    # Input that cannot work (a model that does not import, weights that are not weights) is
+    # refused before a run folder exists or `latest` moves to it.
+    getattr(processors[0][1], "preflight", lambda: None)()
+    name = artifacts.create_run(artifacts_dir, run_name).name if world.is_main else None
+    run = artifacts.Run(Path(artifacts_dir), distributed.broadcast(name))
+    if world.is_main:
+        click.echo(f"run {run.name}: {run.root}", err=True)
+    return run
+
+
+def _cap_isa_before_any_kernel(processors: list[Processor], precision: str | None, device: str,
+                               resumed: tuple[Path, str | None] | None) -> None:
+    """bf16 training on an AMX CPU needs oneDNN capped below AMX before its first kernel
+    (stages/training/precision.py says why); this is the last moment before any runs. A
+    resumed run (``resumed``: its artifacts folder and name) trains in the precision it was
+    started with."""
+    if not any(stage in TRAINING for stage, _ in processors):
+        return
+    from stages.training.precision import cap_isa_for_bf16_training
+
+    precision = precision or "auto"
+    if resumed:
+        from stages.run.artifacts import open_run
+
+        try:
+            run = open_run(*resumed)
+            precision = run.recorded_config("train").get("resolved_precision", precision)
+        except Exception:  # a missing run is reported by run_chain, with its own message
+            pass
+    capped = cap_isa_for_bf16_training(precision, device)
+    if capped:
+        click.echo(f"bf16 training on a CPU with AMX: oneDNN capped at {capped} for this "
+                   "process (AMX bf16 kernels of this torch give wrong results)", err=True)
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
+
+
+def _run_stage(run, stage: str, process: Callable, writes: bool) -> float:
+    """Mark the stage running, then complete or failed, so that a run is never taken for
+    complete when a stage died half-way; returns the seconds it took. Signals wait for each
+    status write: in CI, torchrun's SIGTERM reached rank 0 while it wrote its own failure and
+    left the stage `running`."""
+    import time
+
+    started = time.perf_counter()
+    try:
+        if writes:  # inside the try: a signal held back during this write is delivered here
+            with _status_write():
+                run.mark_stage(stage, "running")
+        process(run)
+    except BaseException as exc:
+        if writes:
+            with _status_write():
+                try:
+                    run.mark_stage(stage, "failed", f"{type(exc).__name__}: {exc}"[:500])
+                except Exception:  # the disk may be what failed; the original error matters more
+                    pass
+        raise
+    seconds = time.perf_counter() - started
+    if writes:
+        with _status_write():
+            run.mark_stage(stage, "complete", seconds=round(seconds, 1))
+    return seconds
+
+
+def _status_write():
+    """What a stage's status write holds back: Ctrl-C, kill and torchrun, dying loader workers."""
+    import signal
+
+    from stages.run.signals import deferred
+
+    return deferred(signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)

@@ -1,0 +1,124 @@
+"""The checks and conversions a stage config's __post_init__ applies to its values, wherever
+they come from (flags, a TOML file, Python): types, choices, lower bounds, durations, lists.
+Each failure is a ValueError naming the flag, which the CLI turns into a usage error (exit 2).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+TYPE_NAMES = {"bool": "true or false", "int": "a whole number", "float": "a number",
+              "str": "a string", "tuple[str, ...]": "a list of strings or a comma list",
+              "tuple[int, ...]": "a list of whole numbers or a comma list"}
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
+DURATION_FIELDS = ("tuning_time", "time")  # a TOML file may give these as "5m"
+
+
+def _fits(value: Any, kind: str) -> bool:
+    """Whether ``value`` has the type a dataclass field declares (declared as a string)."""
+    if kind.endswith(" | None"):
+        return value is None or _fits(value, kind[: -len(" | None")])
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "str":
+        return isinstance(value, str)
+    if kind.startswith("tuple["):
+        element = kind[len("tuple["):].split(",")[0]
+        return isinstance(value, str) or (isinstance(value, (list, tuple)) and all(
+            _fits(item, element) for item in value))
+    return True
+
+
+def type_error(cls, values: dict[str, Any]) -> str | None:
+    """The first value whose type its field does not allow, as 'name: expected, got value'."""
+    kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+    for name, value in values.items():
+        kind = kinds.get(name)
+        if kind is not None and not _fits(value, kind):
+            wanted = TYPE_NAMES.get(kind.removesuffix(" | None"), kind)
+            return f"must be {wanted}, got {value!r}"
+    return None
+
+
+def check_types(config) -> None:
+    """Flags arrive typed by Click; other callers (a TOML file, Python code) may not."""
+    for field in dataclasses.fields(config):
+        problem = type_error(type(config), {field.name: getattr(config, field.name)})
+        if problem:
+            raise ValueError(f"--{field.name.replace('_', '-')} {problem}")
+
+
+def expanded(flag: str, text: str) -> Path:
+    """The path with ~ expanded: '~name' of a user this machine does not have is a usage error
+    (pathlib raises RuntimeError), not a traceback."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:
+        raise ValueError(f"{flag} {text!r}: '~' names no user or home directory here; give the "
+                         "path in full") from None
+
+
+def choice(flag: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{flag} {value!r} is not one of: {', '.join(map(str, allowed))}")
+
+
+def at_least(flag: str, value: float, low: float) -> None:
+    if not value >= low:  # also refuses NaN
+        raise ValueError(f"{flag} must be at least {low}, got {value}")
+
+
+def learning_rate(value: Any) -> float | str:
+    """--lr: a positive number, or "auto" for a range test."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    if not number > 0 or number == math.inf:
+        raise ValueError(f"--lr must be a positive number or auto, got {value!r}")
+    return number
+
+
+def duration_field(config, field: str = "tuning_time") -> None:
+    """A duration field (--tuning-time, --time) as seconds: a duration such as '5m' parsed,
+    anything else refused."""
+    flag, value = f"--{field.replace('_', '-')}", getattr(config, field)
+    if isinstance(value, str):
+        value = parse_duration(flag, value)
+        setattr(config, field, value)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return  # check_types names the type
+    if not value > 0:
+        raise ValueError(f"{flag} must be a positive duration, got {value}")
+
+
+def parse_duration(flag: str, text: str) -> float:
+    """Seconds of '90', '90s', '5m', '1.5h'."""
+    cleaned = text.strip().lower()
+    unit = DURATION_UNITS.get(cleaned[-1:], None)
+    number = cleaned[:-1] if unit else cleaned
+    try:
+        seconds = float(number) * (unit or 1)
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} is not a duration; give one such as 90s, 5m or "
+                         "1h") from None
+    if not seconds > 0 or seconds != seconds or seconds == float("inf"):
+        raise ValueError(f"{flag} {text!r} is not a duration; give one such as 90s, 5m or 1h")
+    return seconds
+
+
+def parse_int_list(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"{flag} takes whole numbers separated by commas, got {text!r}") from None

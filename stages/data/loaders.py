@@ -1,0 +1,56 @@
+"""Loaders: a sampler whose order depends only on (seed, epoch), so a resumed run draws what the
+original did, and DataLoaders that draw nothing from the global random state."""
+from __future__ import annotations
+
+from typing import Iterator
+
+
+class EpochSampler:
+    """Shuffled indices that depend only on (seed, epoch): the same order for fp32 and amp, on
+    every rank's share, and after a resume, which starts ``start`` samples into the epoch."""
+
+    def __init__(self, size: int, seed: int, rank: int = 0, world_size: int = 1) -> None:
+        self.size, self.seed, self.rank, self.world_size = size, seed, rank, world_size
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def _indices(self) -> list[int]:
+        import torch
+
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        order = torch.randperm(self.size, generator=generator).tolist()
+        # Pad so that every rank gets as many samples (DistributedSampler does the same).
+        per_rank = -(-self.size // self.world_size)
+        order += order[: per_rank * self.world_size - self.size]
+        return order[self.rank::self.world_size]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._indices()[self.start:])
+
+    def __len__(self) -> int:
+        return len(self._indices()) - self.start
+
+
+def make_loader(dataset, batch_size: int, sampler=None, workers: int = 0, pin_memory: bool = False,
+                timeout: float = 0):
+    import torch
+
+    # A generator of its own keeps the loader from drawing worker seeds from the global RNG,
+    # whose state a checkpoint restores: a resumed run then draws exactly what the original did.
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler,
+                                       shuffle=False, num_workers=workers, pin_memory=pin_memory,
+                                       timeout=timeout, generator=torch.Generator().manual_seed(0))
+
+
+def batches(dataset, batch_size: int = 256):
+    """(images, labels) of a data set in order, without augmentation randomness of our own."""
+    yield from make_loader(dataset, batch_size)
+
+
+def first_images(dataset, count: int):
+    import torch
+
+    count = min(count, len(dataset))
+    return torch.stack([dataset[i][0] for i in range(count)]) if count else torch.empty(0)

@@ -1,0 +1,191 @@
+"""The data sets torchvision reads from --data-dir: MNIST, Fashion-MNIST, CIFAR-10/100, and a
+folder of class subfolders (ImageFolder), with their transforms and preprocessing record."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from stages.data.datasets import DataSplits, register_dataset, stratified_split
+from stages.run.errors import PipelineError
+
+# Per-channel mean and std of each training set, as published with it.
+STATS = {
+    "mnist": ((0.1307,), (0.3081,)),
+    "fashion-mnist": ((0.2860,), (0.3530,)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),  # ImageNet's
+}
+
+
+class _Widen:
+    """Repeat a grey channel to the number of channels the model wants (a picklable transform,
+    so DataLoader workers can use it)."""
+
+    def __init__(self, channels: int) -> None:
+        self.channels = channels
+
+    def __call__(self, image):
+        return image.expand(self.channels, -1, -1) if image.shape[0] == 1 else image
+
+
+NATIVE_SIZE = {"mnist": 28, "fashion-mnist": 28, "cifar10": 32, "cifar100": 32}
+
+
+def _transforms(name: str, image_size: int, in_channels: int | None, train: bool):
+    """Resize (where the native size differs), light augmentation for training only, normalise,
+    and widen grey to the channels the model wants. ImageFolder already converts to RGB."""
+    from torchvision import transforms as T
+
+    mean, std = STATS[name]
+    steps = []
+    if NATIVE_SIZE.get(name) != image_size:
+        steps.append(T.Resize((image_size, image_size)))
+    if train:
+        # Shifts for everything, mirror images only where they stay valid (a mirrored digit is
+        # not the same digit).
+        steps.append(T.RandomCrop(image_size, padding=max(1, image_size // 8)))
+        if not name.endswith("mnist"):
+            steps.append(T.RandomHorizontalFlip())
+    steps += [T.ToTensor(), T.Normalize(mean, std)]
+    if in_channels and in_channels > len(mean):
+        steps.append(_Widen(in_channels))
+    return T.Compose(steps)
+
+
+def _pil_preprocessing(name: str) -> dict:
+    """_transforms(train=False) as numbers: torchvision's Resize on a PIL image is PIL's own
+    bilinear resize, then ToTensor (divide by 255) and Normalize."""
+    mean, std = STATS[name]
+    return {"colour": "L" if len(mean) == 1 else "RGB", "source_size": None,
+            "resize": "pil-bilinear", "mean": list(mean), "std": list(std)}
+
+
+def _expected_files(name: str, root: Path) -> tuple[Path, list[str]]:
+    from torchvision import datasets
+
+    if name in ("mnist", "fashion-mnist"):
+        cls = datasets.MNIST if name == "mnist" else datasets.FashionMNIST
+        return root / cls.__name__ / "raw", [Path(url).stem for url, _ in cls.resources]
+    cls = datasets.CIFAR10 if name == "cifar10" else datasets.CIFAR100
+    files = [f for f, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
+    return root / cls.base_folder, files
+
+
+def _torchvision_splits(name: str, image_size: int, seed: int, data_dir: Path, download: bool,
+                        val_fraction: float, in_channels: int | None) -> DataSplits:
+    import torch
+    from torchvision import datasets
+
+    cls = {"mnist": datasets.MNIST, "fashion-mnist": datasets.FashionMNIST,
+           "cifar10": datasets.CIFAR10, "cifar100": datasets.CIFAR100}[name]
+    root = Path(data_dir).expanduser()
+
+    def load(train: bool, augment: bool):
+        transform = _transforms(name, image_size, in_channels, augment)
+        try:
+            return cls(str(root), train=train, download=download, transform=transform)
+        except RuntimeError as exc:
+            folder, files = _expected_files(name, root)
+            hint = "" if download else "; pass --download to fetch it where the network allows"
+            raise PipelineError(f"--dataset {name}: no usable data in {folder} (expected "
+                                f"{', '.join(files)}){hint}") from exc
+        except OSError as exc:
+            raise PipelineError(f"--dataset {name}: cannot read {root}: {exc}") from exc
+
+    augmented, plain, test = load(True, True), load(True, False), load(False, False)
+    labels = torch.as_tensor(augmented.targets).numpy()
+    train_idx, val_idx = stratified_split(labels, val_fraction, seed)
+    subset = torch.utils.data.Subset
+    channels = in_channels or len(STATS[name][0])
+    return DataSplits(subset(augmented, sorted(train_idx)), subset(plain, sorted(val_idx)), test,
+                      subset(plain, sorted(train_idx)), num_classes=len(augmented.classes),
+                      in_channels=channels, image_size=image_size,
+                      classes=tuple(augmented.classes), preprocessing=_pil_preprocessing(name))
+
+
+for _name in ("mnist", "fashion-mnist", "cifar10", "cifar100"):
+    register_dataset(_name)(
+        lambda name=_name, image_size=32, seed=0, data_dir="data", download=False,
+        val_fraction=0.1, in_channels=None, **_: _torchvision_splits(
+            name, image_size, seed, data_dir, download, val_fraction, in_channels))
+
+
+def _unreadable_images(paths: list[str]) -> list[str]:
+    """Files PIL cannot decode completely: zero bytes, truncated, or not an image at all."""
+    from PIL import Image
+
+    bad = []
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                image.load()
+        except Exception:  # PIL raises many kinds (UnidentifiedImageError, OSError, SyntaxError)
+            bad.append(path)
+    return bad
+
+
+def _drop_images(folder_dataset, bad: set[str]) -> None:
+    kept = [(p, t) for p, t in folder_dataset.samples if p not in bad]
+    folder_dataset.samples = folder_dataset.imgs = kept
+    folder_dataset.targets = [t for _, t in kept]
+
+
+@register_dataset("imagefolder")
+def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
+                val_fraction: float = 0.1, in_channels: int | None = None,
+                skip_bad_images: bool = False, **_: object) -> DataSplits:
+    """A folder of class subfolders: train/ and val/ (or test/) when present, otherwise one
+    folder split into train, val and test, each class in proportion."""
+    import torch
+    from torchvision import datasets
+
+    root = Path(data_dir).expanduser()
+    if not root.is_dir():
+        raise PipelineError(f"--dataset imagefolder: {root} is not a folder; point --data-dir at "
+                            "a folder of class subfolders (or with train/ and val/ inside)")
+
+    skipped, scanned = 0, {}
+
+    def folder(path: Path, augment: bool, count: bool):
+        """ImageFolder of ``path``; ``count``: add its skipped files to the total (each file is
+        read by two datasets, with and without augmentation, but counted once)."""
+        nonlocal skipped
+        try:
+            found = datasets.ImageFolder(str(path), transform=_transforms(
+                "imagefolder", image_size, in_channels, augment))
+        except (FileNotFoundError, RuntimeError) as exc:
+            raise PipelineError(f"--dataset imagefolder: {path}: {exc}; each class needs a "
+                                "subfolder of images") from None
+        if path not in scanned:  # each folder is opened twice; decode its files once
+            scanned[path] = _unreadable_images([p for p, _ in found.samples])
+        bad = scanned[path]
+        if bad and not skip_bad_images:
+            shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            raise PipelineError(f"--dataset imagefolder: {len(bad)} unreadable image(s): {shown}; "
+                                "remove them or pass --skip-bad-images")
+        if bad:
+            _drop_images(found, set(bad))
+            skipped += len(bad) if count else 0
+        return found
+
+    held_out = next((root / n for n in ("val", "test") if (root / n).is_dir()), None)
+    subset = torch.utils.data.Subset
+    if (root / "train").is_dir() and held_out is not None:
+        augmented, plain = folder(root / "train", True, True), folder(root / "train", False, False)
+        test = folder(held_out, False, True)
+        if test.classes != augmented.classes:
+            raise PipelineError(f"--dataset imagefolder: {root / 'train'} and {held_out} have "
+                                "different class subfolders")
+        train_idx, val_idx = stratified_split(augmented.targets, val_fraction, seed)
+    else:
+        augmented, plain = folder(root, True, True), folder(root, False, False)
+        rest, test_idx = stratified_split(augmented.targets, val_fraction, seed=0)
+        rest_targets = [augmented.targets[i] for i in rest]
+        train_part, val_part = stratified_split(rest_targets, val_fraction, seed)
+        train_idx, val_idx = rest[train_part], rest[val_part]
+        test = subset(plain, sorted(test_idx))
+    return DataSplits(subset(augmented, sorted(train_idx)), subset(plain, sorted(val_idx)), test,
+                      subset(plain, sorted(train_idx)), num_classes=len(augmented.classes),
+                      in_channels=in_channels or 3, image_size=image_size,
+                      skipped_images=skipped, classes=tuple(augmented.classes),
+                      preprocessing=_pil_preprocessing("imagefolder"))

@@ -1,0 +1,104 @@
+"""The report's warnings: results that defeat their purpose, each with its cause read from what
+the variant contains (a slow int8 variant, an accuracy budget exceeded, a reference that lost
+to its fp32 baseline, a model at chance, runtimes that disagree, a capped oneDNN)."""
+from __future__ import annotations
+
+from stages.measure.evaluate import PARITY_MIN_AGREEMENT
+from stages.report import profile
+from stages.report.recommendation import accuracy_drop, worst_accuracy_drop
+
+NO_VNNI = ("this CPU has no VNNI, so int8 kernels multiply through 16-bit steps that saturate "
+           "(oneDNN's 'Nuances of int8 computations') and run little faster than float ones; "
+           "int8 pays on CPUs with AVX-512 VNNI, AVX-VNNI or AMX")
+
+
+def diagnose_slow(row: dict, vnni: bool = True) -> str:
+    """Why an int8 variant is slow, read from what it contains rather than from its name;
+    on a CPU without VNNI, that its int8 kernels gain little over float there."""
+    cause = _contents_cause(row)
+    return cause if vnni or "Integer" in cause else f"{cause}; and {NO_VNNI}"
+
+
+def _contents_cause(row: dict) -> str:
+    counts = row["op_counts"]
+    ops = {op for c in counts.values() for op in c.get("ops", {})}
+    quantization = row.get("quantization") or {}
+    total = {kind: c["int8"] + c["float"] for kind, c in counts.items()}
+    if any(op.endswith("Integer") for op in ops):
+        integer = sorted(op for op in ops if op.endswith("Integer"))
+        return (f"its int8 layers run as {', '.join(integer)} (dynamic quantization), which "
+                "ONNX Runtime executes without fused int8 kernels; a static QDQ model avoids that")
+    if quantization.get("format") == "QOperator":
+        return ("a QOperator graph runs per-channel int8 convolutions on slow reference kernels; "
+                "use the QDQ format")
+    float_left = {k: c["float"] for k, c in counts.items() if c["float"]}
+    if float_left and (quantization.get("options") or {}).get("dynamic"):
+        parts = ", ".join(f"its {n} {k} layers" for k, n in float_left.items())
+        return (f"dynamic int8 quantizes the fully connected layers alone, and {parts} run in "
+                "float as in the float model; static int8 quantizes them")
+    if float_left:
+        parts = ", ".join(f"{n} of {total[k]} {k}" for k, n in float_left.items())
+        return (f"{parts} layers still run in float, so it pays for quantizing and "
+                "dequantizing around them")
+    return ("every Conv/Linear layer runs in int8, so the time goes to what is not int8 "
+            "(quantize/dequantize steps, pooling, normalisation) or to per-call overhead")
+
+
+def _measured_time(profiles: dict | None, name: str, size: str) -> str:
+    top = profile.top_operators(profiles, name) if profiles and str(
+        profiles["batch_size"]) == size else None
+    return f" Measured at batch {size}, its time goes to {top}." if top else ""
+
+
+def warnings_for(rows: list[dict], reference: str, budget_points: float,
+                 training: dict, profiles: dict | None = None, vnni: bool = True) -> list[str]:
+    """Results that defeat their purpose, each with its cause."""
+    by_name = {row["name"]: row for row in rows}
+    found = []
+    for row in rows:
+        if not row["int8"]:
+            continue
+        for size, ratio in row["speedup_vs_best_float"].items():
+            if ratio["high"] < 1.0:
+                found.append(f"{row['name']} is slower than the fastest float variant "
+                             f"{ratio['best_float']} at batch {size} "
+                             f"({row['latency_ms'][size]['p50']:.2f} ms against "
+                             f"{by_name[ratio['best_float']]['latency_ms'][size]['p50']:.2f} ms):"
+                             f" {diagnose_slow(row, vnni)}."
+                             + _measured_time(profiles, row["name"], size))
+        if worst_accuracy_drop(row) > budget_points:
+            found.append(f"{row['name']} may lose up to {worst_accuracy_drop(row):.2f} points of "
+                         f"held-out accuracy against {reference} at 95% confidence (measured: "
+                         f"{-accuracy_drop(row):+.2f}), more than the budget of {budget_points:g}.")
+    baseline = by_name.get("fp32")
+    if baseline and reference != "fp32":
+        gain = baseline["validation"]["change_vs_reference"]
+        if gain["worst"] * 100 > budget_points:
+            found.append(f"{reference} scores {gain['difference'] * 100:.2f} points below the fp32 "
+                         f"baseline on held-out images (at least {gain['worst'] * 100:.2f} at 95% "
+                         f"confidence), more than the budget of {budget_points:g}: every variant "
+                         f"is made from {reference}, so its training lost that much; train again "
+                         "with --precision fp32, or check its skipped steps.")
+    for name, result in training.items():
+        if result.get("val_at_chance"):
+            found.append(f"{name} learned its training images but its validation accuracy "
+                         f"({result['val_accuracy']:.1%}) stayed at chance: no variant of it is "
+                         "worth shipping; check the labels, the split, and any layer that "
+                         "behaves differently in evaluation (BatchNorm statistics that never "
+                         "settled, dropout).")
+    return found
+
+
+def parity_warnings(pairs: list[dict]) -> list[str]:
+    return [f"{p['b']} agrees with {p['a']} on only {p['top1_agreement']:.1%} of test images "
+            f"(max logit difference {p['max_abs_diff']:.3g}), below "
+            f"{PARITY_MIN_AGREEMENT:.0%}." for p in pairs if not p["within_bounds"]]
+
+
+def isa_note(environment: dict) -> list[str]:
+    capped = environment["isa"]["onednn_max_cpu_isa"]
+    if capped == "not capped":
+        return []
+    return [f"oneDNN was capped at {capped} in this process (bf16 training on an AMX CPU, "
+            "whose AMX bf16 kernels gave NaN at random steps), so PyTorch's int8 timings here "
+            "exclude AMX; run 'pipeline report' on its own to time them with AMX."]

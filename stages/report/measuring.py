@@ -1,0 +1,222 @@
+"""Measuring the variants: each one scored on the same held-out and test images, compared
+with the reference on the same images, and every variant of a device timed in the same
+interleaved rounds (stages/measure/timing.py)."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Callable
+
+from stages import runtimes
+from stages.data.datasets import splits_of_run
+from stages.data.subsets import selection_set, validation_halves
+from stages.measure import contention, timing
+from stages.measure.evaluate import (
+    PARITY_MIN_AGREEMENT,
+    compare_logits,
+    predict_dataset,
+    top_k_hits,
+)
+from stages.measure.stats import paired_difference_interval, wilson_interval
+from stages.report import profile
+from stages.report.judging import (
+    BASELINE_WORDS,
+    SELECTION_WORDS,
+    VALIDATION_WORDS,
+    judged_images,
+    reference_of,
+)
+from stages.report.recommendation import DEVICES, on_device, speedups, verdict
+from stages.run.artifacts import Run
+from stages.run.errors import UsageError
+from stages.run.progress import say
+from stages.runtimes import gpu
+
+
+def _hits(logits, labels) -> list[bool]:
+    return (logits.argmax(1) == labels).tolist()
+
+
+def _accuracy(hits: list[bool]) -> dict:
+    correct = sum(hits)
+    return {"accuracy": correct / len(hits), "ci95": wilson_interval(correct, len(hits)),
+            "samples": len(hits)}
+
+
+def servings(run: Run, config, threads: int, scratch: Path) -> list[tuple[str, str, Callable]]:
+    """(row name, variant, loader) of every row: each variant on the CPU, and on a CUDA machine
+    (unless --device cpu) the float models as a GPU user serves them (stages/runtimes/gpu)."""
+    present = [name for name in runtimes.VARIANTS if name in run.artifacts()]
+    if not present:
+        raise UsageError(f"run {run.name!r} has no model to report on; run 'pipeline train' first")
+    rows = [(name, name, functools.partial(runtimes.load, run, name, threads))
+            for name in present]
+    if gpu.wanted(config.device):
+        rows += [(row, variant, functools.partial(gpu.load, run, row, scratch))
+                 for row, variant in gpu.ROWS.items() if variant in present]
+    return rows
+
+
+def measure_variants(run: Run, config, threads: int, scratch: Path) -> tuple[list[dict], dict]:
+    """Score every variant on the selection and test images, then time them all together."""
+    splits = splits_of_run(run)
+    quantized_with = run.recorded_config("quantize")
+    selection = selection_set(splits, quantized_with.get("calibration_samples", 512),
+                              quantized_with.get("seed", 0))
+    rows, loaded, logits, unmeasured = [], {}, {}, []
+    served = servings(run, config, threads, scratch)
+    for variant in dict.fromkeys(variant for _, variant, _ in served):
+        run.verified_path(variant)  # every file at once: not a tampered one found minutes in
+    reference = reference_of(run, [name for name, _, _ in served])
+    for name, variant, load in served:
+        say(f"report: loading and scoring {name} ...", quiet=config.quiet)
+        made = load()
+        if made is None:
+            unmeasured.append(f"{name} not measured: ONNX Runtime here has no CUDA execution "
+                              "provider (install onnxruntime-gpu in place of onnxruntime)")
+            continue
+        loaded[name] = made
+        row, logits[name] = score(run, name, variant, made, splits, selection, reference)
+        rows.append(row)
+    compare_with_reference(rows, logits, reference)
+    timings, conditions = time_variants(loaded, splits, config, threads)
+    record_latencies(rows, timings, loaded, splits, config)
+    speedups(rows, reference)
+    return rows, {"reference": reference, "parity": parity(run, logits),
+                  "unmeasured": unmeasured, "timing_conditions": conditions,
+                  "profiles": profiled(loaded, rows, reference, config, splits)}
+
+
+def score(run: Run, name: str, variant: str, made, splits, selection, reference: str):
+    """(report.json's row, test logits) of one loaded variant: what it is, and its accuracy on
+    the test split and on the held-out images it is judged on. The row keeps each image's hit
+    (``_hits``) and the images judged (``_judged``) for compare_with_reference."""
+    entry = run.entry(variant)
+    val_logits, val_labels = predict_dataset(made.predict, selection)
+    test_logits, test_labels = predict_dataset(made.predict, splits.test)
+    hits = {"validation": _hits(val_logits, val_labels), "test": _hits(test_logits, test_labels)}
+    row = {"name": name, "variant": variant, "device": made.device,
+           "format": entry["format"], "path": entry["path"], "serving": made.serving,
+           "int8": runtimes.VARIANTS[variant].int8, "size_bytes": run.shipped_bytes(variant),
+           "parent": entry.get("parent"), "quantization": entry.get("quantization"),
+           "op_counts": made.op_counts, "test": _accuracy(hits["test"])}
+    images = judged_images(run, variant, reference)
+    row["_judged"] = _judged_indices(selection, images)
+    row["validation"] = _accuracy([hits["validation"][i] for i in row["_judged"]]) | {
+        "images": images}
+    row["accuracy"], row["accuracy_ci95"] = row["test"]["accuracy"], row["test"]["ci95"]
+    row["_hits"] = hits
+    if splits.num_classes > 5:
+        top5 = top_k_hits(test_logits, test_labels, 5)
+        row["top5_accuracy"] = float(top5.float().mean())
+    return row, test_logits
+
+
+def _judged_indices(selection, images: str) -> list[int]:
+    """Indices into the selection set of the images ``images`` names. selection_set puts the
+    validation split first; a fine-tuned variant is judged on the half of it that qat did not
+    choose its epoch on."""
+    validation = len(selection.datasets[0])
+    return {SELECTION_WORDS: list(range(len(selection))),
+            BASELINE_WORDS: list(range(validation)),
+            VALIDATION_WORDS: validation_halves(validation)[1]}[images]
+
+
+def compare_with_reference(rows: list[dict], logits: dict, reference: str) -> None:
+    """Each row's agreement with the reference on the test split, and its change in accuracy
+    against it on the same images (paired), on the held-out images it is judged on and on test;
+    then the per-image hits leave the row."""
+    by_name = {row["name"]: row for row in rows}
+    predictions = {name: logits[name].argmax(1) for name in by_name}
+    for row in rows:
+        same = predictions[row["name"]] == predictions[reference]
+        row["agreement"] = float(same.float().mean())
+        row["flipped_predictions"] = int((~same).sum())
+        for split in ("validation", "test"):
+            judged = row["_judged"] if split == "validation" else range(row[split]["samples"])
+            row[split]["change_vs_reference"] = paired_difference_interval(  # the same images
+                [by_name[reference]["_hits"][split][i] for i in judged],
+                [row["_hits"][split][i] for i in judged])
+    for row in rows:
+        row.pop("_hits"), row.pop("_judged")
+
+
+def record_latencies(rows: list[dict], timings: dict, loaded: dict, splits, config) -> None:
+    """Each row's latency at every batch size (with every round's call times, from which the
+    speed-up intervals are drawn), and a GPU row's peak memory at the largest batch."""
+    for row in rows:
+        row["latency_ms"] = {b: t[row["name"]].summary() | {"rounds_ms": [
+            [s * 1000 for s in calls] for calls in t[row["name"]].rounds]}
+            for b, t in timings.items()}
+        if row["device"] == "cuda" and loaded[row["name"]].timer == "cuda-events":
+            largest = timing.random_batch(splits.input_shape(max(config.batch_sizes)))
+            row["peak_gpu_memory_bytes"] = gpu.peak_memory(loaded[row["name"]].call_for(largest))
+
+
+def profiled(loaded: dict, rows: list[dict], reference: str, config, splits) -> dict | None:
+    """Where the time goes (stages/report/profile.py), for the CPU variants the verdict
+    will name, while they are still loaded."""
+    cpu_rows = on_device(rows, "cpu")
+    if not cpu_rows:
+        return None
+    chosen = verdict(cpu_rows, reference, config.max_accuracy_drop)
+    say(f"report: profiling where {chosen['recommended']}'s time goes ...", quiet=config.quiet)
+    batch = timing.random_batch(splits.input_shape(int(chosen["batch_size"])))
+    return profile.measure({name: loaded[name] for name in (r["name"] for r in cpu_rows)},
+                           cpu_rows, chosen, batch)
+
+
+def time_variants(loaded: dict, splits, config, threads: int,
+                  meter: contention.Meter | None = None
+                  ) -> tuple[dict[str, dict[str, timing.Timing]], dict]:
+    """Every variant of a device in the same interleaved rounds, batch size by batch size,
+    until every speed-up against that device's fastest float variant is known to within
+    --target-interval. GPU rows are timed by CUDA events where they run on PyTorch's stream.
+    A batch size timed while other processes took the cores is timed again
+    (stages/measure/contention.py); also returned: what each was timed beside."""
+    timings: dict[str, dict[str, timing.Timing]] = {}
+    watch = contention.Watch(threads, meter)
+    for device in sorted({item.device for item in loaded.values()}, key=DEVICES.index):
+        on_this_device = {name: item for name, item in loaded.items()
+                          if item.device == device}
+        floats = {name for name in on_this_device if not _is_int8(name)}
+        timers = {name: _timer(item) for name, item in on_this_device.items()}
+        for size in config.batch_sizes:
+            say(f"report: timing {len(on_this_device)} variants on the {device.upper()} at batch "
+                f"{size} ...", quiet=config.quiet)
+            batch = timing.random_batch(splits.input_shape(size))
+            calls = {name: item.call_for(batch) for name, item in on_this_device.items()}
+            timings.setdefault(str(size), {}).update(watch.time(device, size, functools.partial(
+                timing.interleaved, calls, config.rounds, config.repeats, config.warmup,
+                max_rounds=config.max_rounds,
+                done=timing.narrow_enough(floats, config.target_interval),
+                budget_seconds=config.timing_budget, timers=timers)))
+    return timings, watch.record()
+
+
+def _is_int8(row_name: str) -> bool:
+    return runtimes.VARIANTS[gpu.ROWS.get(row_name, row_name)].int8
+
+
+def _timer(item):
+    if item.timer != "cuda-events":
+        return timing.wall_timer()
+    import torch
+
+    return timing.cuda_timer(lambda: torch.cuda.Event(enable_timing=True))
+
+
+def parity(run: Run, logits: dict) -> list[dict]:
+    """Each variant against its float source, PyTorch's int8 against ONNX Runtime's, and each
+    GPU row against the same model on the CPU."""
+    pairs = [(runtimes.VARIANTS[n].source and run.entry(n).get("parent"), n) for n in logits
+             if n in runtimes.VARIANTS]
+    pairs += [("torch-static", "ort-static"), ("torch-qat", "ort-qat")]
+    pairs += [(gpu.ROWS[n], n) for n in logits if n in gpu.ROWS]
+    found = []
+    for a, b in dict.fromkeys(pairs):  # ort-qat's parent is torch-qat: that pair came twice
+        if a in logits and b in logits:
+            measured = compare_logits(logits[a], logits[b])
+            found.append({"a": a, "b": b, **measured,
+                          "within_bounds": measured["top1_agreement"] >= PARITY_MIN_AGREEMENT})
+    return found

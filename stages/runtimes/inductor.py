@@ -1,0 +1,108 @@
+"""torch.compile for inference on the CPU (Inductor with freezing, so that oneDNN's int8 kernels
+run), each model compiled once per process, and the count of convolution and linear kernels,
+int8 or float, read from the code Inductor generates: what really runs.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+
+from stages.measure.evaluate import predict
+
+# What Inductor emits for each kind of kernel (torch 2.14, torchao 0.18).
+KERNELS = {
+    ("Conv", "int8"): r"torch\.ops\.onednn\.qconv(?:2d)?_pointwise[\w.]*\(",
+    ("Linear", "int8"): r"torch\.ops\.onednn\.qlinear_pointwise[\w.]*\(",
+    ("Conv", "float"): r"(?:mkldnn\._convolution_pointwise[\w.]*\(|extern_kernels\.convolution\(|"
+                       r"aten\.convolution[\w.]*\()",
+    ("Linear", "float"): r"(?:mkldnn\._linear_pointwise[\w.]*\(|extern_kernels\.(?:mm|addmm|bmm|"
+                         r"baddbmm)\(|mkl\._mkl_linear[\w.]*\()",
+}
+COMPILED_BATCH = 32  # compiled models predict in batches of this size: one graph to build
+
+
+def compile_module(module):
+    """torch.compile for inference: Inductor with freezing (weights become constants, so
+    oneDNN can pre-pack them and fuse int8 patterns), one graph per batch size (compiling
+    with dynamic shapes failed on the second batch size in the int8 convolution)."""
+    import torch
+    import torch._inductor.config as inductor_config
+
+    inductor_config.freezing = True
+    # Inductor's own int8 lowering copies a tensor the way it tells others not to.
+    warnings.filterwarnings("ignore", message="To copy construct from a tensor",
+                            category=UserWarning, module=r"torch\._inductor")
+    return torch.compile(module, dynamic=False)
+
+
+# Compiled models kept for the life of the process, keyed by the sha256 of the file they came
+# from, what was compiled and the thread count Inductor generated their kernels for: in a
+# chain, quantize has already compiled what report then loads, and each compile takes 3 to 15 s
+# on the 2-core development machine (Inductor's graph cache skips graphs with frozen weights).
+_COMPILED: dict[tuple[str, str, int], object] = {}
+
+
+def compiled_once(sha256: str, kind: str, build):
+    """``compile_module(build())``, or the module compiled for the same file before in this
+    process."""
+    import torch
+
+    key = (sha256, kind, torch.get_num_threads())
+    if key not in _COMPILED:
+        _COMPILED[key] = compile_module(build())
+    return _COMPILED[key]
+
+
+def predict_compiled(compiled, images):
+    """Logits of a compiled model in batches of one size, the last one padded with zeros, so
+    that scoring a data set builds no graph beyond the one timed at that size."""
+    import torch
+
+    outputs = []
+    for start in range(0, len(images), COMPILED_BATCH):
+        batch = images[start:start + COMPILED_BATCH]
+        padded = torch.cat([batch, batch.new_zeros(COMPILED_BATCH - len(batch),
+                                                   *batch.shape[1:])])
+        outputs.append(predict(compiled, padded)[:len(batch)])
+    return torch.cat(outputs) if outputs else torch.empty(0)
+
+
+def _generated_code(compiled, batch) -> str:
+    """The code Inductor generates when ``compiled`` first runs on ``batch``'s shape. Captured
+    as it is written rather than with run_and_get_code, which resets Dynamo and so throws away
+    every other compiled model of the process."""
+    import torch
+    from torch._inductor.graph import GraphLowering
+
+    code: list[str] = []
+    real = GraphLowering.save_output_code
+    GraphLowering.save_output_code = staticmethod(code.append)
+    try:
+        with torch.inference_mode():
+            compiled(batch)
+    finally:
+        GraphLowering.save_output_code = real
+    return "\n".join(code)
+
+
+_CODE: dict[tuple[int, tuple[int, ...]], str] = {}  # (id of a compiled model, input shape)
+
+
+def compiled_counts(compiled, batch) -> dict[str, dict[str, int]]:
+    """Count the convolution and linear kernels, by kind, in the code Inductor generated for
+    ``compiled`` at ``batch``'s shape (compiling it there if it was not yet)."""
+    key = (id(compiled), tuple(batch.shape))
+    if key not in _CODE:
+        _CODE[key] = _generated_code(compiled, batch)
+    if not _CODE[key]:  # compiled before this process kept its code: compile it afresh
+        import torch
+        from torch._inductor.utils import run_and_get_code
+
+        with torch.inference_mode():
+            _CODE[key] = "\n".join(run_and_get_code(compiled, batch)[1])
+    counts: dict[str, dict[str, int]] = {}
+    for (kind, precision), pattern in KERNELS.items():
+        found = len(re.findall(pattern, _CODE[key]))
+        if found:
+            counts.setdefault(kind, {"int8": 0, "float": 0})[precision] += found
+    return counts

@@ -1,0 +1,98 @@
+"""The variants quantization-aware training makes, registered like every other: `torch-qat`
+(the fine-tuned graph converted to int8, served by the PyTorch runtime) and `ort-qat` (its
+QDQ export, served by ONNX Runtime), with stage="qat": the qat stage (stages/qat.py)
+fine-tunes the graph `prepare` gives it and hands the result, a FineTuned, to each maker.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stages.data.subsets import calibration_batches, validation_halves
+from stages.measure.evaluate import PARITY_MIN_AGREEMENT, compare_logits, dataset_accuracy
+from stages.run.errors import PipelineError
+from stages.runtimes import FLOAT, onnx_export, pt2e, qdq_onnx, variant
+from stages.runtimes.onnxruntime import onnx_op_counts, ort_predict, ort_session
+from stages.runtimes.pytorch import save_and_check
+
+
+@dataclass
+class FineTuned:
+    """What the qat stage hands the makers: the graph `prepare` gave it, after fine-tuning
+    (its fake quantizers hold the ranges), and the stage's record (its settings, epochs and
+    history) for the manifest."""
+
+    graph: object
+    record: dict
+
+
+def prepare(model, spec: dict, device):
+    """The float ``model`` exported for training with fake quantizers in it (the QAT recipe of
+    X86InductorQuantizer, runtimes/pt2e.py), on ``device``, in eval mode: its .train() and
+    .eval() switch BatchNorm and dropout as a module's do."""
+    prepared = pt2e.prepare_qat(pt2e.export_graph(model, spec, train=True),
+                                pt2e.pt2e_options()).to(device)
+    from torchao.quantization.pt2e import allow_exported_model_train_eval
+
+    allow_exported_model_train_eval(prepared)
+    prepared.eval()
+    return prepared
+
+
+def observe(graph, on: bool) -> None:
+    """Switch the observers of a prepared ``graph`` on or off; off, its quantization ranges
+    stay as they are."""
+    from torchao.quantization.pt2e import disable_observer, enable_observer
+
+    graph.apply(enable_observer if on else disable_observer)
+
+
+@variant("torch-qat", runtime="pytorch", source=FLOAT, int8=True, trained=True, stage="qat",
+         description="fine-tuned with fake quantization (PT2E QAT), converted to int8")
+def make_torch_qat(ctx, tuned: FineTuned) -> dict:
+    """Converted to int8, saved and checked as torch-static is; judged against the float model
+    on the half of the validation split the stage did not choose its epoch on."""
+    import torch
+
+    converted = pt2e.convert(tuned.graph)
+    splits = ctx.splits
+    judging = torch.utils.data.Subset(splits.val, validation_halves(len(splits.val))[1])
+    reference = dataset_accuracy(ctx.float_model(), judging)
+    accuracy = dataset_accuracy(converted, judging)
+    recipe = {"options": pt2e.pt2e_options(), "float_layers": [], "qat": True}  # prepare's
+    info = recipe | {"validation_drop_points": (reference - accuracy) * 100, **tuned.record}
+    save_and_check(ctx, "torch-qat", converted, recipe, info)
+    ctx.say(f"qat: torch-qat scores {accuracy:.2%} against the float model's {reference:.2%} "
+            "on the half of the validation split it did not choose its epoch on")
+    return info
+
+
+@variant("ort-qat", runtime="onnxruntime", source="torch-qat", int8=True, stage="qat",
+         description="torch-qat exported to ONNX QDQ, run by ONNX Runtime")
+def make_ort_qat(ctx, tuned: FineTuned) -> dict | None:
+    """torch-qat's int8 graph, as written, exported to ONNX where the exporter manages it: its
+    quantize/dequantize pairs become QuantizeLinear/DequantizeLinear (a QDQ model), completed
+    so that ONNX Runtime runs every conv and linear in int8 (runtimes/qdq_onnx.py), and kept
+    where ONNX Runtime agrees with torch-qat. None where not made."""
+    path = ctx.folder / "ort-qat.onnx"
+    images = ctx.check_images()
+    try:
+        onnx_export.export_onnx(pt2e.load_pt2e(ctx.run, "torch-qat"), images[:2], path)
+    except PipelineError as exc:
+        ctx.say(f"qat: ort-qat not made: {exc}")
+        return None
+    completed = qdq_onnx.complete_for_onnx_runtime(path, calibration_batches(
+        ctx.splits, qdq_onnx.RESIDUAL_CALIBRATION_IMAGES, 64, ctx.config.seed))
+    reference = ctx.logits_of("torch-qat", images)
+    parity = compare_logits(reference, ort_predict(ort_session(path, threads=1), images))
+    if parity["top1_agreement"] < PARITY_MIN_AGREEMENT:
+        cause = qdq_onnx.bias_rounding_cause(path, reference, images)
+        path.unlink()
+        ctx.say(f"qat: ort-qat not kept: ONNX Runtime agrees with torch-qat on only "
+                f"{parity['top1_agreement']:.1%} of training images (max logit difference "
+                f"{parity['max_abs_diff']:.3g}) once it fuses the QDQ pairs into its int8 "
+                "kernels" + cause)
+        return None
+    info = {"exporter": "torch.onnx.export(dynamo=True) of torch-qat", **completed,
+            "parity_vs_torch_qat": parity}
+    ctx.register("ort-qat", path, info, fmt="onnx", op_counts=onnx_op_counts(path))
+    return info

@@ -1,0 +1,102 @@
+"""How training fails, as one clear error each: a DataLoader worker that died or hung, a NaN
+loss named with its likely cause; and how to tell a model that learns its training images
+while validation stays at chance."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from pathlib import Path
+
+from stages.data.loaders import make_loader
+from stages.run import signals
+from stages.run.errors import PipelineError
+from stages.run.progress import say
+
+
+def stop_workers(data_iterator) -> None:
+    """Shut a failed loader's workers down with SIGCHLD held back, so that the death of a
+    worker cannot raise a second error while the first is being reported."""
+    import signal
+
+    with signals.deferred(signal.SIGCHLD):
+        try:
+            data_iterator._shutdown_workers()  # what its __del__ would do; unregisters the pids
+        except Exception:  # the workers are already gone; nothing more to clean up
+            pass
+
+
+def is_worker_failure(exc: BaseException) -> bool:
+    if isinstance(exc, (ConnectionError, EOFError)):  # a worker killed mid-handover breaks the pipe
+        return True
+    return isinstance(exc, RuntimeError) and any(
+        marker in str(exc) for marker in ("DataLoader worker", "DataLoader timed out"))
+
+
+@contextlib.contextmanager
+def worker_failures(variant: str, epoch: int, pos: dict, folder: Path, data_iterator):
+    """A DataLoader worker that dies or goes silent becomes one clear error. The death is
+    reported by a SIGCHLD handler, so it can surface anywhere in the epoch, not only where the
+    next batch is fetched; checkpoints already written stay as they are."""
+    try:
+        yield
+    except (RuntimeError, ConnectionError, EOFError) as exc:
+        if not is_worker_failure(exc):
+            raise
+        first = str(exc) or type(exc).__name__
+        # One death can arrive twice: as the broken pipe, then as its SIGCHLD, whose handler
+        # raises again wherever the main thread is until the workers are shut down (here too,
+        # before stop_workers holds it back: a CI run saw it). Each worker dies once, so a
+        # few tries shut them down.
+        for _ in range(8):
+            try:
+                if hasattr(data_iterator, "_shutdown_workers"):
+                    stop_workers(data_iterator)
+                break
+            except RuntimeError as again:
+                if not is_worker_failure(again):
+                    raise
+        raise PipelineError(
+            f"{variant}: a DataLoader worker died or hung at epoch {epoch} step "
+            f"{pos['step_in_epoch'] + 1} ({first.splitlines()[0][:160]}); checkpoints in "
+            f"{folder} are intact: fix the data or use --workers 0, then 'pipeline train "
+            "--resume'") from None
+
+
+def nan_message(variant: str, precision, device, epoch: int, step: int, folder: Path,
+                baseline_finite: bool) -> str:
+    """Name the likely cause: a learning rate is to blame only where fp32 did not cope."""
+    where = (f"{variant}: the loss became NaN or infinite at epoch {epoch} step {step} "
+             f"(checkpoints already written in {folder} are untouched)")
+    if precision.name != "fp32" and baseline_finite:
+        return (f"{where}; the fp32 baseline trained through the same steps with the same "
+                f"learning rate, so the cause is {precision.name} arithmetic or its kernels on "
+                f"this {device.type.upper()}, not --lr: use --precision fp32 (and report the CPU, "
+                f"torch version and ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '')})")
+    return f"{where}; lower --lr, add --grad-clip 1, or try --precision fp32"
+
+
+def at_chance(train_accuracy: float, val_accuracy: float, chance: float, val_size: int) -> bool:
+    """Learning the training split while validation stays near chance (the share of the
+    largest class): a model that does not generalise, never one worth quantizing."""
+    noise = 3 * math.sqrt(chance * (1 - chance) / max(val_size, 1))
+    return train_accuracy >= chance + 0.3 and val_accuracy <= chance + max(noise, 0.1)
+
+
+def chance(dataset) -> float:
+    """The share of the largest class: what always guessing it scores."""
+    import torch
+
+    labels = torch.cat([labels for _, labels in make_loader(dataset, 1024)])
+    return float(torch.bincount(labels).max()) / len(labels) if len(labels) else 0.0
+
+
+def warn_at_chance(variant: str, record: dict, chance: float, val_size: int,
+                   quiet: bool) -> None:
+    """Say so where an epoch's ``record`` learns the training images but not validation's."""
+    if at_chance(record["train_accuracy"], record["val_accuracy"], chance, val_size):
+        say(f"WARNING: {variant} learns the training images "
+            f"({record['train_accuracy']:.1%}) but its validation accuracy is at chance "
+            f"({record['val_accuracy']:.1%}): it does not generalise to held-out images; check "
+            "the data (labels, a train/validation mix-up) and any layer that behaves "
+            "differently in evaluation", quiet=quiet)

@@ -1,0 +1,70 @@
+"""Time boxes: the epochs that fit a budget at the pace measured so far, planned again after
+each epoch, with the learning-rate schedule's cosine cut to end with them. train's --time
+(planned_end) and qat's --tuning-time (fitted_plan, which scales qat's freezes alike) share the
+arithmetic."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from stages.run.progress import say
+from stages.training import distributed
+from stages.training.loop import Loop
+
+
+def epochs_that_fit(budget: float, done: int, seconds: float, asked: int) -> int:
+    """The epochs that fit ``budget`` seconds at the pace of the ``done`` epochs so far (which
+    took ``seconds``): never fewer than those done, never more than asked."""
+    return max(done, min(asked, int(budget * done / max(seconds, 1e-9))))
+
+
+def cut(loop: Loop, epochs: int) -> None:
+    """Plan ``epochs`` in all, the schedule's cosine ending with them."""
+    loop.totals["planned_epochs"] = epochs
+    loop.parts.scheduler.lr_lambdas[0].total_steps = epochs * len(loop.parts.loader)
+
+
+def planned_end(loop: Loop, epoch: int, budget: float | None) -> str:
+    """train --time, after ``epoch``'s steps and scoring (before its checkpoint, which then
+    holds the plan): why training ends with this epoch, or "" to go on. Under a budget the
+    epochs that fit at the pace so far (steps, and the scoring and checkpoints of the epochs
+    before) are planned again: never past --epochs, never before the epochs done, never longer
+    than planned before (a schedule stretched again would raise the learning rate)."""
+    totals, planned = loop.totals, loop.planned_epochs
+    if budget is not None:
+        fits = epochs_that_fit(budget, epoch, totals["wall"], loop.epochs)
+        fits = distributed.broadcast(fits)  # ranks timed apart must still stop together
+        if fits < planned:
+            planned = fits
+            cut(loop, fits)
+            say(f"{loop.name}: --time {budget:.0f}s for this model fits {fits} of "
+                f"{loop.epochs} epochs at {totals['wall'] / epoch:.1f} s each; the "
+                "learning-rate schedule ends with them", quiet=loop.quiet)
+    if epoch < planned:
+        return ""
+    if planned < loop.epochs:
+        return (f"time: {planned} epoch{'s' * (planned != 1)} fit --time ({budget:.0f} s for "
+                "this model)")
+    return f"epochs: all {loop.epochs} of --epochs ran"
+
+
+class Plan(NamedTuple):
+    """qat's epochs and the epochs after which it freezes BatchNorm and the observers."""
+
+    epochs: int
+    freeze_bn_after: int
+    freeze_observers_after: int
+
+
+def fitted_plan(config, done: int, seconds: float) -> Plan:
+    """qat --tuning-time: the epochs that fit config.tuning_time at the pace of the ``done``
+    epochs so far (which took ``seconds``), with each freeze scaled alike so that a cut run
+    still trains, then freezes BatchNorm, then the ranges."""
+    asked = Plan(config.epochs, config.freeze_bn_after, config.freeze_observers_after)
+    if config.tuning_time is None:
+        return asked
+    fits = epochs_that_fit(config.tuning_time, done, seconds, config.epochs)
+
+    def scaled(after: int) -> int:
+        return after if after == 0 else max(1, after * fits // config.epochs)
+
+    return Plan(fits, scaled(config.freeze_bn_after), scaled(config.freeze_observers_after))
