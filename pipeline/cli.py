@@ -61,7 +61,8 @@ def cli(ctx: click.Context, artifacts_dir, run_name, device, seed, config_file, 
     """
     file_values = as_usage_error(cfg.read_config_file, config_file) if config_file else {}
     ctx.obj = {"file": file_values, "seed": seed, "device": device, "quiet": quiet,
-               "chosen": {}}
+               "chosen": {}, "given": {key for key in ("seed", "device", "quiet") if
+                                       ctx.get_parameter_source(key) != click.core.ParameterSource.DEFAULT}}
     # Given on the command line, the group's values must agree with a stage's; from the
     # environment or by default, a stage's flag overrides them.
     for key, value in (("run_name", run_name), ("artifacts_dir", artifacts_dir)):

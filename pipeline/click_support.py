@@ -132,8 +132,9 @@ def data_options(command):
 
 
 def with_group_values(ctx: click.Context, flags: dict, *keys: str) -> dict:
-    """A stage's flags with the group's values it takes (seed, device, quiet)."""
-    return flags | {key: ctx.obj[key] for key in keys}
+    """A stage's flags with the group's values it takes (seed, device, quiet), where the user
+    gave them: a group default must not hide a --config file's [stage] value."""
+    return flags | {key: ctx.obj[key] for key in keys if key in ctx.obj["given"]}
 
 
 def _whole_number(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:

@@ -98,13 +98,14 @@ def test_chain_through_cli_runner_then_stages_alone_on_latest_and_named_run(tmp_
 def test_config_file_fills_in_and_flags_win(tmp_path):
     config = tmp_path / "pipeline.toml"
     config.write_text('[train]\nmodel = "smallcnn"\nimage_size = 8\nepochs = 3\nbaseline = false\n'
-                      'measure_memory = false\n')  # the probe's fresh process: 9 s here
+                      'measure_memory = false\nseed = 3\n')  # the probe's fresh process: 9 s here
     result = invoke("--artifacts-dir", str(tmp_path), "--config", str(config), "--quiet",
                     "train", "--epochs", "1")
     assert result.exit_code == 0, result.stderr
     saved = json.loads(next((tmp_path / "runs").glob("*/config.json")).read_text())["train"]
     assert saved["epochs"] == 1 and saved["model"] == "smallcnn" and saved["baseline"] is False
     assert saved["measure_memory"] is False
+    assert saved["seed"] == 3  # the group's --seed, not given, must not hide the file's
     config.write_text("[train]\nepoch = 1\n")
     bad = invoke("--artifacts-dir", str(tmp_path), "--config", str(config), "train")
     assert bad.exit_code == 2 and "unknown key 'epoch' in [train]" in bad.stderr
