@@ -264,7 +264,9 @@ class ReportConfig:
         at_least("--threads", self.threads, 0)
         at_least("--warmup", self.warmup, 1)  # compiled variants build their graph there
         at_least("--rounds", self.rounds, 3)
-        at_least("--max-rounds", self.max_rounds, self.rounds)
+        if not self.max_rounds >= self.rounds:  # name both: either may be the one to change
+            raise ValueError(f"--max-rounds must be at least --rounds ({self.rounds}), got "
+                             f"{self.max_rounds}")
         at_least("--repeats", self.repeats, 0)
         if self.repeats and self.rounds * self.repeats < 20:  # a p90 needs calls to stand on
             raise ValueError(f"--rounds x --repeats must give at least 20 timed calls, got "

@@ -110,17 +110,11 @@ def _config_strategy(config_class, skip=("model",)):
     return st.fixed_dictionaries(fields)
 
 
-# A flag whose bound is another flag's value: `--rounds 41` alone is refused as "--max-rounds
-# must be at least 41, got 40", naming the flag left at its default.
-BOUND_BY = {"--max-rounds": "--rounds"}
-
-
 def _given(config_class, values: dict) -> set[str]:
-    """The flags of the values that are not their field's default, and those bound by them."""
-    given = {f"--{field.name.replace('_', '-')}" for field in dataclasses.fields(config_class)
-             if not (type(values[field.name]) is type(field.default)
-                     and values[field.name] == field.default)}
-    return given | {flag for flag, bound in BOUND_BY.items() if bound in given}
+    """The flags of the values that are not their field's default."""
+    return {f"--{field.name.replace('_', '-')}" for field in dataclasses.fields(config_class)
+            if not (type(values[field.name]) is type(field.default)
+                    and values[field.name] == field.default)}
 
 
 def _flags_named(message: str) -> set[str]:
