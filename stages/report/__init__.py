@@ -79,10 +79,16 @@ def run(config, run: Run) -> dict:
     import torch
 
     threads = config.threads or min(os.cpu_count() or 1, 8)
-    torch.set_num_threads(threads)
     compared = [open_run(run.artifacts_dir, name) for name in config.compare if name != run.name]
-    with tempfile.TemporaryDirectory() as scratch:
-        rows, measured = measure_variants(run, config, threads, Path(scratch))
+    # The report's thread count is its own: a stage chained after it (or a second run in the
+    # same process) trains with the count it found, as it would alone.
+    found = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            rows, measured = measure_variants(run, config, threads, Path(scratch))
+    finally:
+        torch.set_num_threads(found)
     folder = run.root / "report"
     folder.mkdir(parents=True, exist_ok=True)
     report = assemble(run, config, threads, rows, measured, folder)
