@@ -91,7 +91,7 @@ def build_parts(config, splits: DataSplits, precision: Precision, device) -> Par
     sampler = EpochSampler(len(splits.train), config.seed, world.rank, world.world_size)
     loader = make_loader(splits.train, config.batch_size, sampler, config.workers,
                          pin_memory=device.type == "cuda",
-                         timeout=getattr(config, "loader_timeout", 0) if config.workers else 0)
+                         timeout=config.loader_timeout if config.workers else 0)
     # Fused SGD lets GradScaler skip a step on the GPU without asking the host first.
     optimizer = torch.optim.SGD(decay_groups(model, config.weight_decay), lr=config.lr,
                                 momentum=0.9, nesterov=True,
