@@ -84,6 +84,7 @@ def load(run=None, variant: str = "recommended", *, artifacts_dir=None,
     """Load a variant of a run; see the module's docstring."""
     from stages import runtimes
     from stages.data.datasets import preprocessing_of_run
+    from stages.measure.machine import inference_threads
 
     threads = 0 if threads is None else threads
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
@@ -92,7 +93,7 @@ def load(run=None, variant: str = "recommended", *, artifacts_dir=None,
     opened = open_run(run, artifacts_dir)
     name = runtimes.resolve(opened, variant)
     spec = preprocessing_of_run(opened)
-    loaded = runtimes.load(opened, name, threads or min(os.cpu_count() or 1, 8))
+    loaded = runtimes.load(opened, name, inference_threads(threads))
     return Model(name, opened.name, loaded.serving, list(spec["classes"]), spec, loaded)
 
 

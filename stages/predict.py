@@ -10,7 +10,6 @@ imported inside `run`, which an exported folder never calls.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ def run(config, run) -> None:
 
     from stages import runtimes
     from stages.data.datasets import preprocessing_of_run
+    from stages.measure.machine import inference_threads
     from stages.run.errors import PipelineError, UsageError
 
     files, empty = image_files(config.paths)
@@ -38,7 +38,7 @@ def run(config, run) -> None:
         raise UsageError(f"{', '.join(map(str, empty))}: no files in this folder")
     name = runtimes.resolve(run, config.variant)
     spec = preprocessing_of_run(run)
-    loaded = runtimes.load(run, name, config.threads or min(os.cpu_count() or 1, 8))
+    loaded = runtimes.load(run, name, inference_threads(config.threads))
     skipped = print_predictions(files, spec,
                                 lambda batch: loaded.predict(torch.from_numpy(batch)).numpy(),
                                 config.batch_size, config.top_k, "pipeline",

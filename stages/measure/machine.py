@@ -9,6 +9,12 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_b
              "asimddp")
 
 
+def inference_threads(asked: int | None = 0) -> int:
+    """The threads a variant runs with: as asked, or as many as the machine has cores, capped
+    at 8 (more seldom help one call and crowd everything else)."""
+    return asked or min(os.cpu_count() or 1, 8)
+
+
 def cpu_info() -> dict:
     model, flags = platform.processor() or platform.machine(), set()
     try:

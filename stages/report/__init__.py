@@ -11,7 +11,6 @@ assembles report.json from them and writes the report.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -78,7 +77,7 @@ def _gpu_note(config, gpu_rows: list[dict], unmeasured: list[str]) -> str:
 def run(config, run: Run) -> dict:
     import torch
 
-    threads = config.threads or min(os.cpu_count() or 1, 8)
+    threads = machine.inference_threads(config.threads)
     compared = [open_run(run.artifacts_dir, name) for name in config.compare if name != run.name]
     # The report's thread count is its own: a stage chained after it (or a second run in the
     # same process) trains with the count it found, as it would alone.
