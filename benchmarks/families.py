@@ -2,11 +2,11 @@
 
     .venv/bin/python benchmarks/families.py --data-dir DIR [--dataset mnist]
         [--models resnet18,mobilenet_v2,mobilenet_v3_large,efficientnet_b0,mnasnet0_5,mixer]
-        [--artifacts-dir artifacts-families] [--image-size 32] [--epochs-scale 1.0]
+        [--artifacts-dir artifacts-families] [--image-size 32] [--train-time 10m]
         [--tuning-time 3m]
 
-For each model: trains it with its family's recipe (or reuses a run of that name whose train
-stage is complete), runs `quantize` with the defaults and a report at batch 32, then
+For each model: trains it with the product's defaults within --train-time (or reuses a run of
+that name whose train stage is complete), runs `quantize` with the defaults and a report at batch 32, then
 `quantize --auto` (which may go on to QAT where no post-training configuration meets the budget,
 and says so) and another report, and prints one row per static int8 variant (and QAT variant
 where --auto made one) and mode: the
@@ -29,17 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-# Epochs and peak learning rate per family at 32x32: the default recipe (5 epochs) left
-# efficientnet_b0 at 72% validation accuracy on notMNIST after 4; mobile networks with
-# BatchNorm-heavy depthwise stacks train longer. Starting points, scaled by --epochs-scale.
-RECIPES = {
-    "resnet18": {"epochs": 8, "lr": 0.02},
-    "mobilenet_v2": {"epochs": 15, "lr": 0.05},
-    "mobilenet_v3_large": {"epochs": 15, "lr": 0.05},
-    "efficientnet_b0": {"epochs": 20, "lr": 0.02},  # at 0.05: 12% after 2 epochs, loss 3.4
-    "mnasnet0_5": {"epochs": 20, "lr": 0.02},  # 6 epochs: 85.6% test; at 0.1 52%, loss 6.4
-    "mixer": {"epochs": 10, "lr": 0.05},
-}
+FAMILIES = ("resnet18", "mobilenet_v2", "mobilenet_v3_large", "efficientnet_b0", "mnasnet0_5",
+            "mixer")
 STATIC = ("torch-static", "ort-static", "openvino-int8")
 PIPELINE = [sys.executable, "-m", "pipeline"]
 
@@ -62,12 +53,12 @@ def trained(artifacts: Path, run: str) -> bool:
 
 
 def train(args, model: str) -> float:
-    recipe = RECIPES.get(model, {"epochs": 10, "lr": 0.05})
-    epochs = max(1, round(recipe["epochs"] * args.epochs_scale))
+    """The product's training defaults (--lr auto, the plan that fits --time, the plateau
+    stop), with the one budget every family gets."""
     data = ["--data-dir", str(args.data_dir)] if args.data_dir else []
     return pipeline(args.artifacts_dir, model, "train", "--model", model, "--dataset",
-                    args.dataset, *data, "--image-size", str(args.image_size), "--epochs",
-                    str(epochs), "--lr", str(recipe["lr"]), "--no-measure-memory")
+                    args.dataset, *data, "--image-size", str(args.image_size), "--time",
+                    args.train_time, "--no-measure-memory")
 
 
 def quantize_and_report(args, model: str, mode: str) -> list[dict]:
@@ -134,10 +125,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, help="where the data set is (not for digits)")
     parser.add_argument("--dataset", default="mnist")
-    parser.add_argument("--models", default=",".join(RECIPES))
+    parser.add_argument("--models", default=",".join(FAMILIES))
     parser.add_argument("--artifacts-dir", type=Path, default=Path("artifacts-families"))
     parser.add_argument("--image-size", type=int, default=32)
-    parser.add_argument("--epochs-scale", type=float, default=1.0)
+    parser.add_argument("--train-time", default="10m", help="train's --time for each family "
+                                                             "(default: 10m)")
     parser.add_argument("--tuning-time", help="passed to quantize (90s, 5m): each static "
                                               "backend's search; default: no limit")
     args = parser.parse_args()

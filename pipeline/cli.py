@@ -86,15 +86,18 @@ def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Pa
 @click.option("--resume", is_flag=True, help="Continue the latest run (or --run NAME) from its "
               "newest good checkpoint, with the configuration it was started with.")
 @data_options
-@click.option("--epochs", type=int, help="Epochs at most.  [default: 5]")
-@click.option("--time", metavar="DURATION", help="Training time (90s, 10m, 1h) shared by the "
-              "models trained: after each epoch the epochs that fit at the pace so far are "
-              "planned again, the learning-rate schedule with them.  [default: no limit]")
+@click.option("--epochs", type=int, help="Epochs at most.  [default: 5; with --time, what "
+              "fits it]")
+@click.option("--time", metavar="DURATION", help="Time for the stage (90s, 10m, 1h): what "
+              "loading the data and --lr auto's range test leave is shared by the models "
+              "trained; after each epoch the epochs that fit at the pace so far are planned "
+              "again, the learning-rate schedule with them.  [default: no limit]")
 @click.option("--patience", type=int, metavar="EPOCHS", help="Stop once validation accuracy has "
               "not improved for this many epochs; the best epoch is kept.  [default: 5]")
 @click.option("--batch-size", type=int, help="[default: 64]")
 @click.option("--lr", metavar="LR|auto", help="Peak learning rate of SGD (cosine, warm-up); "
-              "auto: found by a learning-rate range test of up to 100 steps.  [default: 0.02]")
+              "auto: found for the model by a learning-rate range test of up to 150 steps.  "
+              "[default: auto]")
 @click.option("--weight-decay", type=float, help="[default: 5e-4]")
 @click.option("--label-smoothing", type=float, help="[default: 0]")
 @click.option("--grad-clip", type=float, help="Max gradient norm, 0 for none (clips after "

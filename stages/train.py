@@ -5,16 +5,16 @@ between them is the precision of the forward and backward pass. Both save fp32 m
 AMP changes how a model trains, not what it weighs on disk. model.pt holds the weights of the
 epoch with the best validation accuracy, the one every later stage starts from.
 
-The epochs are stages/training/loop.py's `fit`, the loop qat drives too; this stage adds to it
-checkpoints (every --checkpoint-every steps and at each epoch's end) and resume, the --time
-plan, the --patience stop, metrics.jsonl, and the errors that name a NaN loss, GradScaler's
-skips in a row or a DataLoader worker that died.
+The epochs are training/loop.py's `fit` (qat's loop too); this stage adds checkpoints and
+resume, the --time plan, the --patience stop, metrics.jsonl and the errors for a NaN loss,
+GradScaler's skips in a row or a dead DataLoader worker.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import shutil
+import time
 from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
 from pathlib import Path
@@ -299,6 +299,7 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
 
     if resume:
         config = resumed_config(config, run)
+    started = time.monotonic()
     device, precision, splits, config = _set_up(config, run, resume)
     # Where autocast resolves to fp32, `amp` is the baseline's computation step for step (same
     # seed, data order and hyperparameters): it is trained once and fp32 is listed as its copy.
@@ -308,7 +309,8 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
     deterministic_before = torch.are_deterministic_algorithms_enabled()
     set_deterministic(config.deterministic or deterministic_before, device)
     try:
-        results = _train_each(variants, splits, config, run, device, resume)
+        results = _train_each(variants, splits, config, run, device, resume,
+                              spent=time.monotonic() - started)
     finally:  # later stages in the same chain may use ops with no deterministic kernel
         torch.use_deterministic_algorithms(deterministic_before)
     is_main = distributed.current().is_main
@@ -343,24 +345,23 @@ def _set_up(config, run: Run, resume: bool) -> tuple:
     check_model_fits(config.model, classes, channels, config.image_size, config.batch_size,
                      device, held)
     splits = load_splits(config)
-    asked = config
-    config = replace(config, lr=lr_range.peak_lr(config, splits, precision, device, run, saved))
+    lr = lr_range.peak_lr(config, splits, precision, device, run, saved)
     if world.is_main:
-        run.record_config("train", asdict(asked) | {"resolved_precision": precision.name,
-                                                    "resolved_device": str(device),
-                                                    "world_size": world.world_size,
-                                                    "resolved_lr": config.lr})
+        run.record_config("train", asdict(config) | {
+            "resolved_precision": precision.name, "resolved_device": str(device),
+            "world_size": world.world_size, "resolved_lr": lr})
         record_preprocessing(run, splits, config.dataset, "train")
-    return device, precision, splits, config
+    return device, precision, splits, replace(config, lr=lr)
 
 
 def _train_each(variants: list, splits: DataSplits, config, run: Run, device,
-                resume: bool) -> list[TrainResult]:
+                resume: bool, spent: float) -> list[TrainResult]:
     """Each variant trained in turn; with ``resume``, one already listed is read back."""
     results = []
-    # --time is shared by the models still to train, not spent twice.
+    # --time holds for the stage (loading the data and the range test ``spent`` some) and is
+    # shared by the models still to train, not spent twice.
     to_train = [name for name, _ in variants if not (resume and name in run.artifacts())]
-    budget = config.time / max(1, len(to_train)) if config.time else None
+    each = max(0.0, config.time - spent) / max(1, len(to_train)) if config.time else None
     for name, precision in variants:
         if resume and name in run.artifacts():
             saved_result = run.entry(name)["training"]
@@ -370,7 +371,7 @@ def _train_each(variants: list, splits: DataSplits, config, run: Run, device,
             continue
         baseline_finite = any(r.variant == "fp32" for r in results)
         results.append(train_variant(name, precision, splits, config, run, device, resume,
-                                     baseline_finite, budget))
+                                     baseline_finite, each))
     return results
 
 

@@ -286,9 +286,9 @@ def _lr_sentence(report: dict) -> str:
     if not curve:
         return f" Peak learning rate {found['value']:g}, as --lr gave it."
     return (f" Peak learning rate {found['value']:.3g}, found by a range test of "
-            f"{curve['steps']} steps from {curve['start_lr']:g} upwards: the lower of the "
-            f"steepest descent of the loss ({curve['steepest']:.3g}) and a tenth of where it "
-            f"was lowest ({curve['minimum']:.3g}).")
+            f"{curve['steps']} steps from {curve['start_lr']:g} upwards: the learning rate "
+            f"where the smoothed loss was lowest ({curve['minimum']:.3g}) divided by "
+            f"{curve['minimum'] / curve['chosen']:.3g}.")
 
 
 def _gpu_paragraph(report: dict) -> list[str]:

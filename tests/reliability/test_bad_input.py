@@ -83,7 +83,7 @@ def test_skipped_images_are_counted_in_the_run(tmp_path):
     run = artifacts.create_run(tmp_path / "artifacts", "skip")
     (result,) = train.run(cfg.TrainConfig(model="smallcnn", dataset="imagefolder",
                                           data_dir=str(root), image_size=8, epochs=1,
-                                          baseline=False, skip_bad_images=True,
+                                          baseline=False, skip_bad_images=True, lr=0.05,
                                           measure_memory=False, quiet=True), run)
     assert result.skipped_images == 3
     assert '"skipped_images": 3' in (run.root / "train" / "amp" / "metrics.jsonl").read_text()

@@ -127,7 +127,7 @@ def test_starting_weights_replace_the_classifier_and_adapt_the_first_convolution
     torch.save(source.state_dict(), path)
     run = artifacts.create_run(tmp_path / "artifacts", "init")
     (result,) = train.run(TrainConfig(model="smallcnn", image_size=8, epochs=1, baseline=False,
-                                      init_weights=str(path), measure_memory=False,
+                                      init_weights=str(path), lr=0.05, measure_memory=False,
                                       quiet=True), run)
     notes = run.entry("amp")["initial_weights"]["adapted"]
     assert notes == ["0.weight: 3 input channel(s) adapted to 1",

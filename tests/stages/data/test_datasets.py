@@ -112,7 +112,8 @@ def test_missing_data_names_the_folder_and_files(tmp_path):
 def test_training_runs_on_torchvision_data(cifar_dir, tmp_path):
     run = artifacts.create_run(tmp_path / "artifacts", "cifar")
     config = TrainConfig(model="smallcnn", dataset="cifar10", data_dir=str(cifar_dir), epochs=1,
-                         batch_size=16, baseline=False, measure_memory=False, quiet=True)
+                         batch_size=16, lr=0.05, baseline=False, measure_memory=False,
+                         quiet=True)
     (result,) = train.run(config, run)
     assert result.optimizer_steps == 6  # 90 training images in batches of 16
     assert run.entry("amp")["model_spec"]["in_channels"] == 3
