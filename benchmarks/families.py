@@ -6,8 +6,8 @@
         [--tuning-time 3m]
 
 For each model: trains it with the product's defaults within --train-time (or reuses a run of
-that name whose train stage is complete), runs `quantize` with the defaults and a report at batch 32, then
-`quantize --auto` (which may go on to QAT where no post-training configuration meets the budget,
+that name whose train stage is complete), runs `quantize` with the defaults and a report at
+batch 32, then `quantize --auto` (which may go on to QAT where no post-training configuration meets the budget,
 and says so) and another report, and prints one row per static int8 variant (and QAT variant
 where --auto made one) and mode: the
 float model's test accuracy, the int8 change on test with Newcombe's paired 95% interval, the
