@@ -31,7 +31,7 @@ from stages.training.loop import DeviceSums, build_parts, train_step
 
 # 50 steps a decade: at 25 the loss of mobilenet_v2 on notMNIST had not fallen by the time it
 # blew up. Starting at 1e-3 rather than 1e-4 moved the minima found 9 to 25% lower and
-# saved a third of the steps (docs/measurements.md).
+# saved a quarter to a third of the steps (docs/measurements.md).
 START_LR, END_LR = 1e-3, 1.0
 MAX_STEPS = 150
 SMOOTHING = 0.98
