@@ -77,7 +77,7 @@ def compile_model(model, threads: int, profiling: bool = False):
                             f"{str(exc).strip().splitlines()[0][:300]}") from exc
 
 
-def _runner(compiled):
+def runner(compiled):
     """(predict, call_for) of a compiled model; one request, inputs shared, not copied."""
     import numpy as np
     import torch
@@ -131,7 +131,7 @@ def weight_sizes(model) -> list[int]:
             for op in model.get_ordered_ops() if op.get_type_name() in COMPUTE_OPS]
 
 
-def _save_ir(model, xml: Path, scratch: Path) -> Path:
+def save_ir(model, xml: Path, scratch: Path) -> Path:
     """Write the IR pair under its real names: each file to a temporary name, fsynced and
     renamed, weights first so that a listed .xml never points at a missing .bin."""
     ov = _openvino()
@@ -151,9 +151,9 @@ def make_fp32(ctx) -> dict:
     source = ctx.run.verified_path("onnx-fp32")
     model = ov.convert_model(str(source))
     xml = ctx.folder / "openvino-fp32.xml"
-    weights = _save_ir(model, xml, ctx.scratch)
+    weights = save_ir(model, xml, ctx.scratch)
     images = ctx.check_images()
-    predict, _ = _runner(compile_model(core().read_model(str(xml)), threads=1))
+    predict, _ = runner(compile_model(core().read_model(str(xml)), threads=1))
     info = {"converter": "openvino.convert_model", "precision_hint": "f32",
             "parity_vs_onnx_fp32": compare_logits(ctx.logits_of("onnx-fp32", images),
                                                   predict(images))}
@@ -174,13 +174,13 @@ def _int8_backend(ctx, fp32_model, calibration) -> tuning.Backend:
                                  preset=getattr(nncf.QuantizationPreset, options["preset"]),
                                  ignored_scope=scope)
 
-    def runner(model):
-        return _runner(compile_model(model, ctx.threads))
+    def runner_of(model):
+        return runner(compile_model(model, ctx.threads))
 
     return tuning.Backend(
         build=build,
-        predict=lambda model, images: runner(model)[0](images),
-        call=lambda model, batch: runner(model)[1](batch),
+        predict=lambda model, images: runner_of(model)[0](images),
+        call=lambda model, batch: runner_of(model)[1](batch),
         layers=lambda options: layer_names(fp32_model),
         # NNCF's presets: weights per channel, 8 bits (its overflow fix halves only the first
         # layer's range on CPUs without VNNI).
@@ -199,7 +199,7 @@ def make_int8(ctx) -> dict:
     # PERFORMANCE: symmetric activations, the fast default for conv nets; MIXED: asymmetric
     # activations, which suit activations that are not centred on zero.
     presets = ["PERFORMANCE", "MIXED"] if config.auto else ["PERFORMANCE"]
-    fp32_predict, _ = _runner(compile_model(fp32_model, ctx.threads))
+    fp32_predict, _ = runner(compile_model(fp32_model, ctx.threads))
     reference = ctx.reference(fp32_predict)
     ctx.say("openvino-int8: scoring on the validation slice")
     trial, record = tuning.tune(_int8_backend(ctx, fp32_model, calibration),
@@ -209,11 +209,11 @@ def make_int8(ctx) -> dict:
     if trial is None:
         return ctx.not_kept("openvino-int8", record)
     xml = ctx.folder / "openvino-int8.xml"
-    weights = _save_ir(trial.model, xml, ctx.scratch)
+    weights = save_ir(trial.model, xml, ctx.scratch)
     images = ctx.check_images()
-    before, _ = _runner(compile_model(trial.model, 1))
+    before, _ = runner(compile_model(trial.model, 1))
     written = compile_model(core().read_model(str(xml)), 1)
-    after, _ = _runner(written)
+    after, _ = runner(written)
     import torch
 
     if not torch.equal(before(images), after(images)):
@@ -240,8 +240,9 @@ def load(run, name: str, threads: int) -> Loaded:
         raise PipelineError(f"{name}: OpenVINO cannot read {path}: "
                             f"{str(exc).strip().splitlines()[0][:200]}") from exc
     compiled = compile_model(model, threads)
-    predict, call_for = _runner(compiled)
-    precision = "int8 (NNCF)" if name.endswith("int8") else "f32 hint"
+    predict, call_for = runner(compiled)
+    precision = {"openvino-int8": "int8 (NNCF)", "openvino-qat": "int8 (QAT's QDQ model)"}.get(
+        name, "f32 hint")
     return Loaded(predict, call_for, runtime_op_counts(compiled),
                   f"OpenVINO {ov.get_version().split('-')[0]}, {precision}",
                   profile=lambda batch, calls: profilers.openvino_profile(
