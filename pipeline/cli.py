@@ -200,7 +200,7 @@ def import_(ctx: click.Context, **flags) -> Processor:
 @run_options
 @click.pass_context
 def qat(ctx: click.Context, **flags) -> Processor:
-    """Fine-tune the float model with fake quantization: `torch-qat` and `ort-qat`."""
+    """Fine-tune the float model with fake quantization: `torch-qat`, `ort-qat`, `openvino-qat`."""
     take_run_options(ctx, flags)
     config = config_from_flags(ctx, "qat", with_group_values(ctx, flags, "seed", "device", "quiet"))
 

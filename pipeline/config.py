@@ -23,13 +23,14 @@ from pipeline.checks import (
     parse_int_list,
     type_error,
 )
-from stages.runtimes import made_by_quantize
+from stages.runtimes import VARIANTS, made_by_quantize
 
 DATASET_NAMES = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder")
 PRECISIONS = ("auto", "fp16", "bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
 # The variants quantize makes, in the order it makes them (the registry imports no torch).
 QUANT_METHODS = tuple(made_by_quantize())
+QAT_METHODS = tuple(name for name, v in VARIANTS.items() if v.stage == "qat")
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
 ORT_TYPES = ("u8s8", "s8s8")
 ORT_FORMATS = ("qdq", "qoperator")
@@ -211,7 +212,7 @@ class QuantizeConfig:
             self.methods = parse_methods(self.methods)
         self.methods = tuple(self.methods)
         for method in self.methods:
-            choice("--methods", method, QUANT_METHODS + ("all",))
+            _method(method)
         if not self.methods:
             raise ValueError(f"--methods is empty; choose from: all, {', '.join(QUANT_METHODS)}")
         at_least("--calibration-samples", self.calibration_samples, 1)
@@ -227,12 +228,19 @@ class QuantizeConfig:
                 f"{','.join(self.methods)} has neither; add one of them or drop --equalize")
 
 
+def _method(name: str) -> None:
+    if name in QAT_METHODS:
+        raise ValueError(f"--methods {name!r} is made by quantization-aware training, not by "
+                         "quantize: run 'pipeline qat' (or quantize --auto, which goes on to it)")
+    choice("--methods", name, QUANT_METHODS + ("all",))
+
+
 def parse_methods(text: str) -> tuple[str, ...]:
     """'all' or a comma list of variants, in the order they are made (a variant's source, such
     as onnx-fp32 for ort-static, is made first where the run lacks it)."""
     names = [part.strip() for part in text.split(",") if part.strip()]
     for name in names:
-        choice("--methods", name, QUANT_METHODS + ("all",))
+        _method(name)
     if "all" in names:
         return QUANT_METHODS
     return tuple(m for m in QUANT_METHODS if m in names)

@@ -8,8 +8,9 @@ after 70% of them, the epoch with the best validation accuracy kept. The epochs 
 stages/training/loop.py's `fit`, the loop train drives too; this stage adds its freezes, scoring
 with the observers off, the --tuning-time plan (stages/training/plans.py) and its divergence
 check. The fine-tuned graph goes to the variants registered for this stage
-(stages/runtimes/qat.py): `torch-qat`, and `ort-qat` where the ONNX export of its QDQ graph
-holds; both are reported like every other variant.
+(stages/runtimes/qat.py): `torch-qat`, `ort-qat` where the ONNX export of its QDQ graph
+holds, and `openvino-qat` where OpenVINO runs that QDQ graph as torch-qat does; all are
+reported like every other variant.
 """
 from __future__ import annotations
 
@@ -224,7 +225,8 @@ def _has_non_finite(model) -> bool:
 
 def run(config, run: Run) -> list[str]:
     """Fine-tune, then make each variant registered for this stage from the fine-tuned graph
-    (`torch-qat`, then `ort-qat` from it); the names of those made."""
+    (`torch-qat`, then `ort-qat` from it and `openvino-qat` from that); the names of those
+    made."""
     device = resolve_device(config.device)
     made = []
     with context(run, config, "qat") as ctx:

@@ -29,7 +29,7 @@ def plan(run: Run, methods: tuple[str, ...]) -> list[str]:
               and n not in run.artifacts()]
     if unmade:
         raise UsageError(f"{', '.join(unmade)} cannot be made by quantize; "
-                         "torch-qat and ort-qat come from 'pipeline qat'")
+                         "torch-qat, ort-qat and openvino-qat come from 'pipeline qat'")
     return [name for name in runtimes.VARIANTS if name in wanted and
             runtimes.VARIANTS[name].stage == "quantize"]
 

@@ -1,6 +1,7 @@
 """The variants quantization-aware training makes, registered like every other: `torch-qat`
-(the fine-tuned graph converted to int8, served by the PyTorch runtime) and `ort-qat` (its
-QDQ export, served by ONNX Runtime), with stage="qat": the qat stage (stages/qat.py)
+(the fine-tuned graph converted to int8, served by the PyTorch runtime), `ort-qat` (its
+QDQ export, served by ONNX Runtime) and `openvino-qat` (that QDQ model read by OpenVINO),
+with stage="qat": the qat stage (stages/qat.py)
 fine-tunes the graph `prepare` gives it and hands the result, a FineTuned, to each maker.
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from stages.data.subsets import calibration_batches, validation_halves
 from stages.measure.evaluate import PARITY_MIN_AGREEMENT, compare_logits, dataset_accuracy
 from stages.run.errors import PipelineError
-from stages.runtimes import FLOAT, onnx_export, pt2e, qdq_onnx, variant
+from stages.runtimes import FLOAT, onnx_export, openvino, pt2e, qdq_onnx, variant
 from stages.runtimes.onnxruntime import onnx_op_counts, ort_predict, ort_session
 from stages.runtimes.pytorch import save_and_check
 
@@ -95,4 +96,51 @@ def make_ort_qat(ctx, tuned: FineTuned) -> dict | None:
     info = {"exporter": "torch.onnx.export(dynamo=True) of torch-qat", **completed,
             "parity_vs_torch_qat": parity}
     ctx.register("ort-qat", path, info, fmt="onnx", op_counts=onnx_op_counts(path))
+    return info
+
+
+@variant("openvino-qat", runtime="openvino", source="ort-qat", int8=True, stage="qat",
+         description="ort-qat's QDQ model read by OpenVINO, run in int8")
+def make_openvino_qat(ctx, tuned: FineTuned) -> dict | None:
+    """ort-qat's QDQ model (the fine-tuned ranges, as ONNX Runtime runs them) converted to
+    OpenVINO IR, whose low-precision passes turn each quantize/dequantize pair into int8
+    kernels; kept where it agrees with torch-qat. The fine-tuning is the one torch-qat and
+    ort-qat come from, not a second one with NNCF's own QAT (docs/design.md). None where not
+    made."""
+    if "ort-qat" not in ctx.run.artifacts():
+        ctx.say("qat: openvino-qat not made: it is read from ort-qat, which was not kept")
+        return None
+    try:
+        ov = openvino._openvino()
+    except PipelineError as exc:
+        ctx.say(f"qat: openvino-qat not made: {exc}")
+        return None
+    try:
+        model = ov.convert_model(str(ctx.run.verified_path("ort-qat")))
+    except Exception as exc:  # OpenVINO's converter raises its own types
+        ctx.say(f"qat: openvino-qat not made: OpenVINO cannot read ort-qat: "
+                f"{str(exc).strip().splitlines()[0][:200]}")
+        return None
+    xml = ctx.folder / "openvino-qat.xml"
+    weights = openvino.save_ir(model, xml, ctx.scratch)
+    compiled = openvino.compile_model(openvino.core().read_model(str(xml)), threads=1)
+    images = ctx.check_images()
+    parity = compare_logits(ctx.logits_of("torch-qat", images),
+                            openvino.runner(compiled)[0](images))
+    op_counts = openvino.runtime_op_counts(compiled)
+    why = None
+    if parity["top1_agreement"] < PARITY_MIN_AGREEMENT:
+        why = (f"OpenVINO agrees with torch-qat on only {parity['top1_agreement']:.1%} of "
+               f"training images (max logit difference {parity['max_abs_diff']:.3g})")
+    elif not any(counts["int8"] for counts in op_counts.values()):
+        why = "OpenVINO runs none of its convolutions or linear layers in int8"
+    if why is not None:
+        for path in (xml, weights):
+            path.unlink()
+        ctx.say(f"qat: openvino-qat not kept: {why}")
+        return None
+    info = {"converter": "openvino.convert_model of ort-qat", "precision_hint": "f32",
+            "parity_vs_torch_qat": parity}
+    ctx.register("openvino-qat", xml, info, fmt="openvino", companions=(weights,),
+                 op_counts=op_counts)
     return info

@@ -27,6 +27,9 @@ def invoke(*args):
     (["train", "--model", "resnet7"], "--model 'resnet7' is not one of: mixer, smallcnn, alexnet"),
     (["quantize", "--methods", "torch-static,int4"],
      "--methods 'int4' is not one of: fp32-compiled"),
+    (["quantize", "--methods", "openvino-qat"],
+     "--methods 'openvino-qat' is made by quantization-aware training, not by quantize: run "
+     "'pipeline qat'"),
     (["train", "--epochs", "-3"], "--epochs must be at least 1, got -3"),
     (["--run", "missing", "report"], "run 'missing' does not exist"),
     (["--device", "tpu", "train"], "'tpu' is not one of 'auto', 'cpu', 'cuda'"),

@@ -84,7 +84,7 @@ def test_a_fine_tuned_model_is_judged_on_the_validation_split_alone(tiny_qat_run
     choosing, judging = validation_halves(len(splits.val))
     assert not set(choosing) & set(judging) and len(judging) == len(splits.val) // 2
     models = {m["name"]: m for m in data["models"]}
-    fine_tuned = {"torch-qat", "ort-qat"} & set(models)
+    fine_tuned = {"torch-qat", "ort-qat", "openvino-qat"} & set(models)
     assert "torch-qat" in fine_tuned
     # tiny_run trains amp in bf16: the fp32 baseline is another training, judged on the
     # validation split alone, on which both chose their epoch.
@@ -113,7 +113,8 @@ def test_a_fine_tuned_model_is_judged_on_the_validation_split_alone(tiny_qat_run
     verdict = data["verdict"]
     assert verdict["chosen_on"] == models[verdict["recommended"]]["validation"]["images"]
     markdown_text = (run.root / "report" / "report.md").read_text()
-    names = ", ".join(f"`{n}`" for n in ("torch-qat", "ort-qat") if n in fine_tuned)
+    names = ", ".join(f"`{n}`" for n in ("torch-qat", "ort-qat", "openvino-qat")
+                      if n in fine_tuned)
     assert (f"Judged on {len(judging)} validation images alone: {names}, the half of the "
             "validation split qat did not choose its epoch on.") in markdown_text
     assert ("`torch-qat` was fine-tuned for 1 of the 3 epochs asked: --tuning-time 0.001s "
@@ -124,18 +125,27 @@ def test_a_fine_tuned_model_is_judged_on_the_validation_split_alone(tiny_qat_run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("agreement", [1.0, 0.5])
-def test_ort_qat_is_kept_only_where_onnx_runtime_agrees_with_torch_qat(
-        tiny_run, tmp_path, monkeypatch, capsys, agreement):
-    """Kept with its parity recorded where ONNX Runtime's fused model agrees with torch-qat
-    on 98% of the check images, refused (and its file removed) below."""
+@pytest.mark.parametrize("agreement,openvino_agreement,openvino", [
+    (1.0, 1.0, True), (0.5, None, True), (1.0, 0.5, True), (1.0, None, False)])
+def test_ort_and_openvino_qat_are_kept_only_where_they_agree_with_torch_qat(
+        tiny_run, tmp_path, monkeypatch, capsys, agreement, openvino_agreement, openvino):
+    """ort-qat and openvino-qat (read from it) are kept with their parity recorded where their
+    runtime agrees with torch-qat on 98% of the check images, refused (their files removed)
+    below; without OpenVINO, openvino-qat is not made and the stage says why."""
+    from stages.runtimes import openvino as openvino_runtime
     from tests.conftest import _copy
 
     run = _copy(tiny_run["run"], tmp_path / "artifacts")
     real = qat_runtime.compare_logits
+    agreements = iter([agreement, openvino_agreement])  # ort-qat's check, then openvino-qat's
     monkeypatch.setattr(qat_runtime, "compare_logits", lambda a, b: real(a, b) | {
-        "top1_agreement": agreement})
-    qat.run(QatConfig(epochs=1), run)
+        "top1_agreement": next(agreements)})
+    if not openvino:
+        def missing():
+            raise PipelineError("OpenVINO is not installed: pip install openvino nncf")
+        monkeypatch.setattr(openvino_runtime, "_openvino", missing)
+    made = qat.run(QatConfig(epochs=1), run)
+    err = capsys.readouterr().err
     if agreement >= 0.98:
         assert run.entry("ort-qat")["quantization"]["parity_vs_torch_qat"][
             "top1_agreement"] == agreement
@@ -144,8 +154,22 @@ def test_ort_qat_is_kept_only_where_onnx_runtime_agrees_with_torch_qat(
     else:
         assert "ort-qat" not in run.artifacts()
         assert not (run.root / "quantize" / "ort-qat.onnx").exists()
-        assert "qat: ort-qat not kept: ONNX Runtime agrees with torch-qat on only 50.0%" \
-            in capsys.readouterr().err
+        assert "qat: ort-qat not kept: ONNX Runtime agrees with torch-qat on only 50.0%" in err
+        assert "qat: openvino-qat not made: it is read from ort-qat, which was not kept" in err
+    if openvino_agreement == 1.0:
+        entry = run.entry("openvino-qat")
+        assert made == ["torch-qat", "ort-qat", "openvino-qat"]
+        assert entry["parent"] == "ort-qat" and entry["stage"] == "qat"
+        assert entry["quantization"]["op_counts"]["Conv"] == {"int8": 3, "float": 0}
+        assert entry["quantization"]["parity_vs_torch_qat"]["top1_agreement"] == 1.0
+        assert (run.root / "quantize" / "openvino-qat.bin").exists()
+    else:
+        assert "openvino-qat" not in run.artifacts()
+        assert not list((run.root / "quantize").glob("openvino-qat.*"))
+    if not openvino:
+        assert "qat: openvino-qat not made: OpenVINO is not installed" in err
+    if openvino_agreement == 0.5:
+        assert "qat: openvino-qat not kept: OpenVINO agrees with torch-qat on only 50.0%" in err
 
 
 def test_batchnorm_statistics_of_the_qat_graph_are_recomputed_from_training_images():
@@ -426,19 +450,21 @@ def test_ort_qat_runs_every_conv_and_linear_in_int8_where_a_conv_meets_a_residua
 
 
 def test_the_qat_variants_are_registered_like_every_other_and_listed_with_their_runtime():
-    """torch-qat and ort-qat are registered by runtimes/qat.py, after every runtime module,
+    """torch-qat, ort-qat and openvino-qat are registered by runtimes/qat.py, after every
+    runtime module,
     and still listed (in the report too) with their own runtime's variants, where they were
     before; quantize neither offers nor makes them."""
     from stages import quantize, runtimes
 
     names = list(runtimes.VARIANTS)
     made_by_qat = [n for n in names if runtimes.VARIANTS[n].stage == "qat"]
-    assert made_by_qat == ["torch-qat", "ort-qat"]
+    assert made_by_qat == ["torch-qat", "ort-qat", "openvino-qat"]
     assert names.index("torch-qat") == names.index("torch-static") + 1
     assert names.index("ort-qat") == names.index("ort-static") + 1
-    assert names[-1] == "openvino-int8"
+    assert names[-2:] == ["openvino-int8", "openvino-qat"]
     assert not set(made_by_qat) & set(runtimes.made_by_quantize())
     assert runtimes.VARIANTS["ort-qat"].source == "torch-qat"
+    assert runtimes.VARIANTS["openvino-qat"].source == "ort-qat"
     with pytest.raises(PipelineError, match="torch-qat cannot be made by quantize"):
         quantize.plan(_NoArtifacts(), ("torch-qat",))
 
