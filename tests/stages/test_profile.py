@@ -141,3 +141,14 @@ def test_a_profiler_that_fails_costs_its_table_not_the_report():
     assert profile.failures(profiles) == [
         "ort-static could not be profiled per operator (RuntimeError: profiler unavailable); "
         "its latency stands."]
+
+
+def test_inductors_compiled_graph_is_named_in_words_and_counted_as_its_own_code():
+    """torch.profiler records a compiled graph's call as "## Call CompiledFxGraph <hash> ##":
+    efficientnet_b0's torch-qat warning printed that name as its largest operator."""
+    from stages.runtimes import profilers
+
+    name = profilers.torch_operator_name("## Call CompiledFxGraph fabc123 ##")
+    assert name == "compiled graph (Inductor's own code)"
+    assert profile.kind_of(name) == "compiled graph's own code"
+    assert profilers.torch_operator_name("onednn::qconv_pointwise") == "onednn::qconv_pointwise"
