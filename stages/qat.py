@@ -232,6 +232,11 @@ def run(config, run: Run) -> list[str]:
     with context(run, config, "qat") as ctx:
         tuned = fine_tune(config, ctx, device)
         for name, registered in runtimes.VARIANTS.items():
-            if registered.stage == "qat" and registered.make(ctx, tuned) is not None:
+            if registered.stage != "qat":
+                continue
+            # An earlier fine-tuning's variant goes, made again or not: openvino-qat would
+            # otherwise be read from the ort-qat of a fine-tuning this one replaced.
+            run.unregister(name)
+            if registered.make(ctx, tuned) is not None:
                 made.append(name)
     return made
