@@ -76,7 +76,7 @@ def quantize_and_report(args, model: str, mode: str) -> list[dict]:
     rows = []
     # Every static backend, what QAT made where --auto went on to it, and the report's choice
     # where it is another variant (the mixer's was ort-dynamic).
-    fine_tuned = tuple(name for name in ("torch-qat", "ort-qat") if name in models)
+    fine_tuned = tuple(name for name in ("torch-qat", "ort-qat", "openvino-qat") if name in models)
     shown = STATIC + fine_tuned
     for name in shown + ((recommended,) if recommended and recommended not in shown else ()):
         row = models.get(name)
