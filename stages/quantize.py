@@ -28,8 +28,9 @@ def plan(run: Run, methods: tuple[str, ...]) -> list[str]:
     unmade = [n for n in wanted if runtimes.VARIANTS[n].stage != "quantize"
               and n not in run.artifacts()]
     if unmade:
+        made_by_qat = [n for n, v in runtimes.VARIANTS.items() if v.stage == "qat"]
         raise UsageError(f"{', '.join(unmade)} cannot be made by quantize; "
-                         "torch-qat, ort-qat and openvino-qat come from 'pipeline qat'")
+                         f"{', '.join(made_by_qat)} come from 'pipeline qat'")
     return [name for name in runtimes.VARIANTS if name in wanted and
             runtimes.VARIANTS[name].stage == "quantize"]
 

@@ -457,9 +457,8 @@ def test_ort_qat_runs_every_conv_and_linear_in_int8_where_a_conv_meets_a_residua
 
 def test_the_qat_variants_are_registered_like_every_other_and_listed_with_their_runtime():
     """torch-qat, ort-qat and openvino-qat are registered by runtimes/qat.py, after every
-    runtime module,
-    and still listed (in the report too) with their own runtime's variants, where they were
-    before; quantize neither offers nor makes them."""
+    runtime module, and still listed (in the report too) with their own runtime's variants,
+    where they were before; quantize neither offers nor makes them."""
     from stages import quantize, runtimes
 
     names = list(runtimes.VARIANTS)

@@ -147,7 +147,7 @@ def test_ort_static_alone_exports_onnx_first_and_unknown_methods_are_refused(tmp
     assert list(results) == ["onnx-fp32", "ort-static"]
     assert "torch-static" not in run.artifacts()
     with pytest.raises(UsageError,
-                       match="torch-qat, ort-qat and openvino-qat come from 'pipeline qat'"):
+                       match="torch-qat, ort-qat, openvino-qat come from 'pipeline qat'"):
         quantize.plan(run, ("torch-qat",))
     with pytest.raises(ValueError, match="--methods 'onnx' is not one of"):
         QuantizeConfig(methods="onnx")

@@ -6,6 +6,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from stages.measure.evaluate import compare_logits
 from stages.runtimes import qdq_onnx
 from stages.runtimes.onnxruntime import onnx_op_counts, ort_predict, ort_session
 
@@ -116,6 +117,10 @@ def test_a_linear_whose_bias_cannot_be_int32_is_left_as_it_is(tmp_path, bias, al
     assert path.read_bytes() == written
 
 
+def _agree(reference, logits) -> bool:
+    return compare_logits(reference, logits)["top1_agreement"] >= 0.95
+
+
 class _MobileBlock(torch.nn.Module):
     """efficientnet_b0's and mobilenet_v3's activations in one small model: conv + BatchNorm
     + SiLU, a squeeze-excitation (conv, SiLU, conv, Sigmoid, multiply), conv + BatchNorm +
@@ -161,19 +166,13 @@ def test_the_qat_graph_runs_every_conv_in_int8_in_onnx_runtime_and_openvino(
     onnx_export.export_onnx(converted, images[:2], path)
     qdq_onnx.complete_for_onnx_runtime(path, [images])
     reference = converted(images).detach()
-    assert compare_logits_agree(reference, ort_predict(ort_session(path, threads=1), images))
+    assert _agree(reference, ort_predict(ort_session(path, threads=1), images))
     ort_convs = onnx_op_counts(path)["Conv"]
     compiled = openvino.compile_model(openvino.core().read_model(str(path)), threads=1)
     openvino_convs = openvino.runtime_op_counts(compiled)["Conv"]
     if before_activations:
         assert ort_convs == {"int8": 4, "float": 0, "ops": {"QLinearConv": 4}}
         assert openvino_convs == {"int8": 4, "float": 0}
-        assert compare_logits_agree(reference, openvino.runner(compiled)[0](images))
+        assert _agree(reference, openvino.runner(compiled)[0](images))
     else:
         assert ort_convs["int8"] == 0
-
-
-def compare_logits_agree(reference, logits) -> bool:
-    from stages.measure.evaluate import compare_logits
-
-    return compare_logits(reference, logits)["top1_agreement"] >= 0.95
