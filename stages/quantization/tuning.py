@@ -70,6 +70,8 @@ def label(options: dict) -> str:
             parts.append("equalized")
         elif key == "weight_bits" and value != 8:
             parts.append(f"{value}-bit weights")
+        elif key == "float_depthwise" and value:
+            parts.append("depthwise in float")
     return " ".join(parts)
 
 
@@ -169,21 +171,21 @@ def keep_sensitive_layers_float(backend: Backend, options: dict, layers: list[st
                                 errors: dict[str, float] | None = None,
                                 deadline: float | None = None,
                                 baseline: Trial | None = None) -> dict:
-    """Keep the most sensitive layers in float, one more at a time, until the accuracy budget
-    holds. Layers are ranked by ``errors`` (each layer's own quantization error, measured in
-    one pass: stages/quantization/sensitivity.py) where given, else by building one model per layer.
+    """Keep the most sensitive of ``layers`` in float, one more at a time, until the accuracy
+    budget holds. They are ranked by ``errors`` (each layer's own quantization error, measured
+    in one pass: quantization/sensitivity.py) where given, else by building one model per layer.
     The pass gives up after FALLBACK_PATIENCE layers in a row that do not bring the logits
     closer, or at ``deadline`` (time.monotonic()). ``baseline``: the all-int8 trial for
-    ``options`` where the search already scored it: a rebuild is one more build and scoring
-    pass (on efficientnet_b0 with 4,096 held-out images, a fallback that rebuilt it tried 0 of
-    82 layers in what was left of a 3-minute --tuning-time)."""
+    ``options`` where the search scored it: rebuilt, on efficientnet_b0 with 4,096 held-out
+    images, the fallback tried 0 of 82 layers in what was left of a 3-minute --tuning-time."""
     if baseline is None:
         baseline = score(backend, options, (), reference)
     if errors is not None:
-        ranked = sorted(((error, layer) for layer, error in errors.items()), key=lambda g: -g[0])
+        ranked = sorted(((error, layer) for layer, error in errors.items() if layer in layers),
+                        key=lambda g: -g[0])
         method = "one pass: each layer's own quantization error on calibration images"
-        say(f"  {len(layers)} layers ranked in one pass by their own quantization error "
-            f"(largest {ranked[0][1]}: {ranked[0][0]:.3g})")
+        say(f"  {len(ranked)} layers ranked in one pass by their own quantization error"
+            + (f" (largest {ranked[0][1]}: {ranked[0][0]:.3g})" if ranked else ""))
     else:
         ranked = _rank_by_building(backend, options, layers, baseline, reference, say, deadline)
         method = "one model per layer, each alone kept in float"

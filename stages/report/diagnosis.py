@@ -11,6 +11,11 @@ NO_VNNI = ("this CPU has no VNNI, so int8 kernels multiply through 16-bit steps 
            "(oneDNN's 'Nuances of int8 computations') and run little faster than float ones; "
            "int8 pays on CPUs with AVX-512 VNNI, AVX-VNNI or AMX")
 
+# Why torch-static keeps depthwise convolutions in float without VNNI (runtimes/pt2e.py).
+DEPTHWISE_IN_FLOAT = ("without VNNI, oneDNN runs int8 depthwise convolutions through its general "
+                      "int8 kernel, about twice the time of its float depthwise one; "
+                      "uxlfoundation/oneDNN#1043")
+
 
 def diagnose_slow(row: dict, vnni: bool = True) -> str:
     """Why an int8 variant is slow, read from what it contains rather than from its name;
@@ -38,7 +43,9 @@ def _contents_cause(row: dict) -> str:
                 "float as in the float model; static int8 quantizes them")
     if float_left:
         parts = ", ".join(f"{n} of {total[k]} {k}" for k, n in float_left.items())
-        return (f"{parts} layers still run in float, so it pays for quantizing and "
+        why = (f" (its depthwise convolutions among them: {DEPTHWISE_IN_FLOAT})"
+               if (quantization.get("options") or {}).get("float_depthwise") else "")
+        return (f"{parts} layers still run in float{why}, so it pays for quantizing and "
                 "dequantizing around them")
     return ("every Conv/Linear layer runs in int8, so the time goes to what is not int8 "
             "(quantize/dequantize steps, pooling, normalisation) or to per-call overhead")

@@ -7,6 +7,7 @@ from stages import runtimes
 from stages.measure import contention
 from stages.quantization import tuning
 from stages.report import profile
+from stages.report.diagnosis import DEPTHWISE_IN_FLOAT
 from stages.report.judging import BASELINE_WORDS, SELECTION_WORDS, VALIDATION_WORDS
 from stages.run.artifacts import Run
 from stages.run.errors import UsageError
@@ -165,6 +166,9 @@ def _quantization(report: dict) -> list[str]:
         keys = ("types", "per_channel", "calibration_method", "format", "preset", "equalize")
         options = info.get("options") or {k: info[k] for k in keys if k in info}
         kept = ", ".join(info.get("float_layers") or []) or "-"
+        if options.get("float_depthwise"):
+            kept = f"every depthwise convolution ({DEPTHWISE_IN_FLOAT})" + (
+                f"; {kept}" if kept != "-" else "")
         lines.append(f"| `{r['name']}` | {runtimes.summarize_ops(r['op_counts'])} | {kept} | "
                      f"{tuning.label(options) if options else '-'} | {record.get('why', '-')} |")
     for r in report["models"]:

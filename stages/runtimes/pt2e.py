@@ -56,15 +56,32 @@ def export_graph(model, spec: dict, train: bool = False):
                             f"made: {str(exc).strip().splitlines()[0][:300]}") from exc
 
 
-def pt2e_options(dynamic: bool = False, observer: str = "histogram") -> dict:
+def pt2e_options(dynamic: bool = False, observer: str = "histogram", qat: bool = False) -> dict:
     """X86InductorQuantizer's recipe (per-channel symmetric weights, per-tensor activations),
     with 7-bit weights (-63..63) on a CPU without VNNI, where full-range u8 x s8 products
     saturate in the kernels (two products summed in int16). torchao's own `reduce_range`
     narrows the activations instead; on mnasnet0_5 that lost 33 points on held-out images
     where 7-bit weights lose 6.7, and its compiled kernels strayed further from their own
-    reference (largest logit error 1.5 output standard deviations against 0.4)."""
-    options = {"dynamic": dynamic, "per_channel": True, "weight_bits": 8 if cpu_has_vnni() else 7}
-    return options if dynamic else options | {"observer": observer}
+    reference (largest logit error 1.5 output standard deviations against 0.4).
+
+    Static int8 also keeps depthwise convolutions in float on a CPU without VNNI: there oneDNN
+    runs them through its general grouped int8 kernel (`jit_uni_int8:avx2`), which took 2.2
+    times its float depthwise kernel (`jit_dw:avx2`) on mobilenet_v2 (docs/design.md). QAT
+    quantizes them: its graph also serves ONNX Runtime and OpenVINO, whose int8 depthwise
+    kernels pay."""
+    vnni = cpu_has_vnni()
+    options = {"dynamic": dynamic, "per_channel": True, "weight_bits": 8 if vnni else 7}
+    if dynamic:
+        return options
+    return options | {"observer": observer, "float_depthwise": not vnni and not qat}
+
+
+def depthwise_names(model) -> list[str]:
+    """Module names of the depthwise convolutions (one filter per input channel)."""
+    from torch import nn
+
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Conv2d)
+            and module.groups > 1 and module.groups == module.in_channels]
 
 
 def make_quantizer(options: dict, float_layers=(), qat: bool = False):
@@ -199,6 +216,8 @@ def quantize_pt2e(model, spec: dict, options: dict, calibration, float_layers=()
     quantize_pt2e_module, _ = _pt2e()
     graph = (copy.deepcopy(exported) if exported is not None
              else export_graph(copy.deepcopy(model), spec))
+    if options.get("float_depthwise"):
+        float_layers = (*float_layers, *depthwise_names(model))
     prepared = quantize_pt2e_module.prepare_pt2e(graph, make_quantizer(options, float_layers))
     with torch.inference_mode():
         for batch in calibration:

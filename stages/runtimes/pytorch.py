@@ -116,10 +116,16 @@ def _backend(ctx, calibration) -> tuning.Backend:
             exported=exported(bool(options.get("equalize")))),
         predict=predict,
         call=lambda graph, batch: _call(inductor.compile_module(graph), batch),
-        layers=lambda options: pt2e.layer_names(ctx.float_model()),
+        layers=lambda options: _quantized_layers(ctx.float_model(), options),
         errors=lambda options: sensitivity.layer_errors(
             ctx.source_model(options), calibration,
             Scheme(per_channel=True, weight_bits=options.get("weight_bits", 8))))
+
+
+def _quantized_layers(model, options: dict) -> list[str]:
+    """The layers a configuration quantizes: what the per-layer fallback may keep in float."""
+    floats = set(pt2e.depthwise_names(model)) if options.get("float_depthwise") else set()
+    return [name for name in pt2e.layer_names(model) if name not in floats]
 
 
 def save_and_check(ctx, name: str, graph, recipe: dict, info: dict) -> dict:
@@ -184,20 +190,33 @@ def make_dynamic(ctx) -> dict:
     return save_and_check(ctx, "torch-dynamic", graph, recipe, recipe | {"tuning": record})
 
 
+def static_candidates(equalize: bool, auto: bool, also_equalized: bool,
+                      depthwise: bool) -> list[dict]:
+    """torch-static's configurations: X86InductorQuantizer's recipe (pt2e_options), and with
+    --auto also the activations' range from their extremes rather than a histogram, the
+    histogram after cross-layer equalization, and (on a model with depthwise convolutions)
+    those in the other precision than this CPU's default, timed rather than assumed."""
+    default = pt2e.pt2e_options(observer="histogram") | {"equalize": equalize}
+    if not auto:
+        return [default]
+    candidates = [default, pt2e.pt2e_options(observer="minmax") | {"equalize": equalize}]
+    if also_equalized:
+        candidates.append(default | {"equalize": True})
+    if depthwise:
+        candidates.append(default | {"float_depthwise": not default["float_depthwise"]})
+    return candidates
+
+
 @variant("torch-static", runtime="pytorch", source=FLOAT, int8=True,
          description="PT2E static int8 (X86InductorQuantizer), compiled")
 def make_static(ctx) -> dict:
     config = ctx.config
     calibration = ctx.calibration()
-    # --auto: the activations' range from a histogram (X86InductorQuantizer's own) or from
-    # their extremes, and the histogram after cross-layer equalization; weights stay
-    # per-channel, with 7 bits where the CPU lacks VNNI.
-    equalize = ctx.equalizes(per_tensor_weights=False)
-    candidates = [pt2e.pt2e_options(observer="histogram") | {"equalize": equalize}]
-    if config.auto:
-        candidates.append(pt2e.pt2e_options(observer="minmax") | {"equalize": equalize})
-        if config.equalize is None and ctx.equalized_model()[1]["applied"]:
-            candidates.append(pt2e.pt2e_options(observer="histogram") | {"equalize": True})
+    candidates = static_candidates(
+        ctx.equalizes(per_tensor_weights=False), config.auto,
+        also_equalized=config.auto and config.equalize is None
+        and ctx.equalized_model()[1]["applied"],
+        depthwise=bool(pt2e.depthwise_names(ctx.float_model())))
     reference = ctx.reference(lambda images: predict(ctx.float_model(), images))
     ctx.say("torch-static: scoring on the validation slice")
     trial, record = tuning.tune(_backend(ctx, calibration), candidates, reference,

@@ -31,7 +31,7 @@ def prepare(model, spec: dict, device):
     X86InductorQuantizer, runtimes/pt2e.py), on ``device``, in eval mode: its .train() and
     .eval() switch BatchNorm and dropout as a module's do."""
     prepared = pt2e.prepare_qat(pt2e.export_graph(model, spec, train=True),
-                                pt2e.pt2e_options()).to(device)
+                                pt2e.pt2e_options(qat=True)).to(device)
     from torchao.quantization.pt2e import allow_exported_model_train_eval
 
     allow_exported_model_train_eval(prepared)
@@ -59,7 +59,8 @@ def make_torch_qat(ctx, tuned: FineTuned) -> dict:
     judging = torch.utils.data.Subset(splits.val, validation_halves(len(splits.val))[1])
     reference = dataset_accuracy(ctx.float_model(), judging)
     accuracy = dataset_accuracy(converted, judging)
-    recipe = {"options": pt2e.pt2e_options(), "float_layers": [], "qat": True}  # prepare's
+    recipe = {"options": pt2e.pt2e_options(qat=True), "float_layers": [],  # prepare's
+              "qat": True}
     info = recipe | {"validation_drop_points": (reference - accuracy) * 100, **tuned.record}
     save_and_check(ctx, "torch-qat", converted, recipe, info)
     ctx.say(f"qat: torch-qat scores {accuracy:.2%} against the float model's {reference:.2%} "

@@ -243,13 +243,36 @@ def test_warnings_explain_slow_int8_from_what_it_contains():
     assert found[2] == ("torch-static may lose up to 3.00 points of held-out accuracy against "
                         "fp32 at 95% confidence (measured: -3.00), more than the budget of 1.")
     rows[4]["op_counts"] = {"Conv": {"int8": 1, "float": 2}}
-    assert diagnosis.diagnose_slow(rows[4]).startswith("2 of 3 Conv layers still run in float")
+    assert diagnosis.diagnose_slow(rows[4]).startswith("2 of 3 Conv layers still run in float,")
+    # Depthwise convolutions kept in float on purpose: the upstream cause, in the same line.
+    rows[4]["quantization"] = {"options": {"float_depthwise": True}}
+    assert diagnosis.diagnose_slow(rows[4]).startswith(
+        "2 of 3 Conv layers still run in float (its depthwise convolutions among them: without "
+        "VNNI, oneDNN runs int8 depthwise convolutions through its general int8 kernel")
+    assert "uxlfoundation/oneDNN#1043" in diagnosis.diagnose_slow(rows[4])
     # Dynamic int8 of a conv net's classifier: its convolutions were never meant to be int8.
     rows[2]["op_counts"] = {"Conv": {"int8": 0, "float": 20}, "Linear": {"int8": 1, "float": 0}}
     rows[2]["quantization"] = {"options": {"dynamic": True}}
     assert diagnosis.diagnose_slow(rows[2]) == (
         "dynamic int8 quantizes the fully connected layers alone, and its 20 Conv layers run in "
         "float as in the float model; static int8 quantizes them")
+
+
+def test_the_quantization_table_says_depthwise_convolutions_were_kept_in_float_and_why():
+    from stages.report.markdown import _quantization
+
+    def table(options, float_layers):
+        report = {"parity": [], "models": [{
+            "name": "torch-static", "op_counts": {"Conv": {"int8": 2, "float": 3}},
+            "quantization": {"options": options, "float_layers": float_layers}}]}
+        return "\n".join(_quantization(report))
+
+    row = table({"per_channel": True, "weight_bits": 7, "float_depthwise": True}, ["fc"])
+    assert ("| `torch-static` | Conv 2/5 int8 | every depthwise convolution (without VNNI, "
+            "oneDNN runs int8 depthwise convolutions") in row
+    assert "; uxlfoundation/oneDNN#1043); fc | per-channel 7-bit weights depthwise in float |" in row
+    row = table({"per_channel": True, "weight_bits": 8, "float_depthwise": False}, [])
+    assert "| `torch-static` | Conv 2/5 int8 | - | per-channel |" in row
 
 
 def test_report_markdown_says_what_it_chose_on_and_what_it_measured(tiny_run):

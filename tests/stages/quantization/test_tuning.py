@@ -183,6 +183,9 @@ def test_labels_name_every_choice_a_configuration_makes():
     assert tuning.label({"preset": "PERFORMANCE"}) == "performance preset"
     assert tuning.label({"per_channel": True, "weight_bits": 7}) == "per-channel 7-bit weights"
     assert tuning.label({"per_channel": False, "weight_bits": 8}) == "per-tensor"
+    assert tuning.label({"per_channel": True, "weight_bits": 8, "float_depthwise": True}) == (
+        "per-channel depthwise in float")
+    assert tuning.label({"per_channel": True, "float_depthwise": False}) == "per-channel"
 
 
 def _scripted_fallback(monkeypatch, layers, logit_mse_of, errors=None, deadline=None):
@@ -217,6 +220,19 @@ def test_with_one_pass_errors_the_fallback_builds_no_model_to_rank_layers(monkey
     assert record["met_budget"] and record["ranked_by"].startswith("one pass")
     assert [r["layer"] for r in record["ranking"][:3]] == ["conv29", "conv28", "conv27"]
     assert record["ranking"][0]["error"] == pytest.approx(0.029)
+
+
+def test_the_fallback_keeps_in_float_only_layers_the_configuration_quantizes(monkeypatch):
+    """One-pass errors cover every layer; a configuration that already keeps some in float
+    (torch-static's depthwise convolutions without VNNI) offers the fallback only the rest."""
+    errors = {"conv0": 0.1, "dw1": 0.9, "conv2": 0.2}
+
+    def logit_mse(float_layers):
+        return 0.03 - 0.011 * len({"conv2", "conv0"} & set(float_layers))
+
+    record, built = _scripted_fallback(monkeypatch, ["conv0", "conv2"], logit_mse, errors=errors)
+    assert built == [(), ("conv2",), ("conv2", "conv0")]
+    assert [r["layer"] for r in record["ranking"]] == ["conv2", "conv0"]
 
 
 def test_the_fallback_stops_when_its_time_is_spent(monkeypatch):

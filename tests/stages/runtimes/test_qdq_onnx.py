@@ -157,7 +157,7 @@ def test_the_qat_graph_runs_every_conv_in_int8_in_onnx_runtime_and_openvino(
     torch.manual_seed(0)
     spec = {"model": "block", "in_channels": 1, "image_size": 8}
     graph = pt2e.prepare_qat(pt2e.export_graph(_MobileBlock(), spec, train=True),
-                             pt2e.pt2e_options())
+                             pt2e.pt2e_options(qat=True))
     images = torch.randn(64, 1, 8, 8)
     with torch.no_grad():
         graph(images)  # the observers see one training batch
