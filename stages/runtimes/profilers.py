@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 import tempfile
 from collections import defaultdict
@@ -105,10 +106,17 @@ def torch_profile(call: Callable[[], object], calls: int) -> dict[str, float]:
 def torch_operator_name(key: str) -> str:
     """A profiler event's name as the report prints it: Inductor's record of a compiled
     graph's call ("## Call CompiledFxGraph fabc12 ##", its self time being the generated
-    code's own loops) as "compiled graph (Inductor's own code)"."""
+    wrapper's own work) as "compiled graph (Inductor's own code)"; a kernel its C++ wrapper
+    calls through the C ABI without the ABI's prefix ("aoti_torch_cpu__qconv_pointwise_tensor"
+    as "qconv_pointwise_tensor"); and each of Inductor's own fused kernels by what it fuses,
+    so that one kind of kernel adds up ("graph_0_cpp_fused_quantize_per_tensor_3" as
+    "cpp_fused_quantize_per_tensor")."""
     if key.startswith("## Call CompiledFxGraph"):
         return "compiled graph (Inductor's own code)"
-    return key
+    if key.startswith("aoti_torch_cpu_"):
+        return key[len("aoti_torch_cpu_"):].lstrip("_")
+    fused = re.fullmatch(r"graph_\d+_(cpp_fused_\w+?)_\d+", key)
+    return fused.group(1) if fused else key
 
 
 @contextlib.contextmanager

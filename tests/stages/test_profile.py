@@ -152,3 +152,11 @@ def test_inductors_compiled_graph_is_named_in_words_and_counted_as_its_own_code(
     assert name == "compiled graph (Inductor's own code)"
     assert profile.kind_of(name) == "compiled graph's own code"
     assert profilers.torch_operator_name("onednn::qconv_pointwise") == "onednn::qconv_pointwise"
+    # Inductor's C++ wrapper: the C ABI's prefix goes; fused kernels add up by what they fuse.
+    name = profilers.torch_operator_name("aoti_torch_cpu__qconv_pointwise_tensor")
+    assert name == "qconv_pointwise_tensor" and profile.kind_of(name) == "convolution"
+    name = profilers.torch_operator_name("graph_0_cpp_fused_quantize_per_tensor_13")
+    assert name == "cpp_fused_quantize_per_tensor"
+    assert profile.kind_of(name) == "quantize/dequantize"
+    assert profile.kind_of(profilers.torch_operator_name(
+        "aoti_torch_cpu__qlinear_pointwise_tensor")) == "matrix product"
