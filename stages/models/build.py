@@ -135,7 +135,23 @@ def build_model(name: str, num_classes: int, in_channels: int, image_size: int =
         model = torchvision.models.get_model(name, weights=None, num_classes=num_classes,
                                              **TORCHVISION_OPTIONS.get(name, {}))
     _adapt_input_channels(model, in_channels)
+    _start_at_chance(model, num_classes)
     return model
+
+
+def _start_at_chance(model, num_classes: int) -> None:
+    """Zero the classifier (the last Linear layer with a logit per class), so that training
+    starts at chance (loss ln(classes)). torchvision scales some heads for its 1,000 classes
+    by their outputs: with 10 classes mnasnet0_5 (kaiming fan-out) and efficientnet_b0
+    (uniform +-1/sqrt(classes)) started at losses of 13.3 and 6.1 on notMNIST."""
+    from torch import nn
+
+    heads = [module for module in model.modules()
+             if isinstance(module, nn.Linear) and module.out_features == num_classes]
+    if heads:
+        nn.init.zeros_(heads[-1].weight)
+        if heads[-1].bias is not None:
+            nn.init.zeros_(heads[-1].bias)
 
 
 def model_spec(name: str, num_classes: int, in_channels: int, image_size: int) -> dict:
