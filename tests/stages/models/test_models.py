@@ -30,6 +30,14 @@ def test_a_torchvision_model_starts_at_chance_and_its_head_learns(name):
     assert model(images).abs().max() > 0
 
 
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
+def test_a_head_at_pytorchs_own_scale_keeps_its_initialisation(name):
+    torch.manual_seed(0)
+    model = build_model(name, num_classes=10, in_channels=1)
+    head = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
+    assert 0 < float(head.weight.std()) < 2 / (3 * head.in_features) ** 0.5
+
+
 def test_unknown_model_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown model 'resnet7'.*smallcnn.*resnet18"):
         build_model("resnet7", 10, 1)
