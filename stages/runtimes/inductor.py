@@ -25,8 +25,9 @@ COMPILED_BATCH = 32  # compiled models predict in batches of this size: one grap
 
 
 # Inductor's C++ wrapper calls the kernels from C++ rather than from generated Python: on
-# mnasnet0_5 at 32x32 (AMD EPYC, AVX2) 3.43 against 4.83 ms at batch 1 in fp32 and 4.33 against
-# 5.80 ms at batch 32 in int8, the Python wrapper's cost per kernel call (docs/design.md). Its
+# mnasnet0_5 at 32x32 (AMD EPYC, AVX2) fp32-compiled took 2.82 against 4.39 ms at batch 1 and
+# torch-static 5.57 against 7.17 ms at batch 32, the Python wrapper's cost per kernel call
+# (docs/measurements.md), for about 3 s more per compile. Its
 # kernel calls and Inductor's own kernels reach torch.profiler only with kernel profiling on
 # (a record per call, checked against a thread-local flag when no profiler runs).
 COMPILE_OPTIONS = {"cpp_wrapper": True, "cpp.enable_kernel_profile": True}

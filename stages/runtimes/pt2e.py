@@ -65,8 +65,8 @@ def pt2e_options(dynamic: bool = False, observer: str = "histogram", qat: bool =
     reference (largest logit error 1.5 output standard deviations against 0.4).
 
     Static int8 also keeps depthwise convolutions in float on a CPU without VNNI: there oneDNN
-    runs them through its general grouped int8 kernel (`jit_uni_int8:avx2`), which took 2.2
-    times its float depthwise kernel (`jit_dw:avx2`) on mobilenet_v2 (docs/design.md). QAT
+    runs them through its general grouped int8 kernel (`jit_uni_int8:avx2`), which took twice
+    the time of its float depthwise kernel (`jit_dw:avx2`) on mobilenet_v2 (docs/design.md). QAT
     quantizes them: its graph also serves ONNX Runtime and OpenVINO, whose int8 depthwise
     kernels pay."""
     vnni = cpu_has_vnni()

@@ -83,11 +83,12 @@ declare("amp", runtime="pytorch", source=None, int8=False, trained=True, stage="
 
 
 @variant("fp32-compiled", runtime="pytorch", source=FLOAT, int8=False,
-         description="the float weights under torch.compile (Inductor, freezing)")
+         description="the float weights under torch.compile (Inductor, freezing, C++ "
+                     "wrapper)")
 def make_compiled(ctx) -> dict:
     """No new file: the float source's weights, compiled at load; checked here once, after
     the stage's exports (each one resets every compiled model of the process)."""
-    info = {"compiler": "torch.compile(dynamic=False), Inductor freezing"}
+    info = {"compiler": "torch.compile(dynamic=False), Inductor freezing and C++ wrapper"}
 
     def check() -> None:
         model = ctx.float_model()
@@ -157,7 +158,7 @@ def _check_compiled(ctx, name: str, path, reloaded, after, info: dict) -> None:
     # input and output share a scale, so a mean on an exact half step rounds either way by
     # summation order, and Inductor's fused kernel sums in another order than ATen.
     kernels = compare_logits(after, inductor.predict_compiled(compiled, images))
-    info |= {"format": "PT2E (torchao), compiled with Inductor freezing",
+    info |= {"format": "PT2E (torchao), compiled with Inductor freezing and C++ wrapper",
              "parity_vs_source": compare_logits(predict(ctx.float_model(), images), after),
              "compiled_vs_graph": kernels}
     if kernels["top1_agreement"] < KERNEL_AGREEMENT_TO_WARN:

@@ -270,7 +270,8 @@ def test_the_quantization_table_says_depthwise_convolutions_were_kept_in_float_a
     row = table({"per_channel": True, "weight_bits": 7, "float_depthwise": True}, ["fc"])
     assert ("| `torch-static` | Conv 2/5 int8 | every depthwise convolution (without VNNI, "
             "oneDNN runs int8 depthwise convolutions") in row
-    assert "; uxlfoundation/oneDNN#1043); fc | per-channel 7-bit weights depthwise in float |" in row
+    assert ("; uxlfoundation/oneDNN#1043); fc | per-channel 7-bit weights depthwise in float |"
+            in row)
     row = table({"per_channel": True, "weight_bits": 8, "float_depthwise": False}, [])
     assert "| `torch-static` | Conv 2/5 int8 | - | per-channel |" in row
 
