@@ -34,8 +34,9 @@ if __name__ == "__main__":
     model = torch.export.load(str(HERE / "model.pt2")).module()
     if serving.get("compile"):
         torch._inductor.config.freezing = True  # weights as constants: oneDNN's int8 kernels
-        # C++ wrapper: the kernels called from C++, as pipeline times them.
-        model = torch.compile(model, dynamic=False, options={"cpp_wrapper": True})
+        # Compiled as pipeline times it (stages/runtimes/inductor.py: COMPILE_OPTIONS).
+        model = torch.compile(model, dynamic=False, options={
+            "cpp_wrapper": True, "cpp.enable_kernel_profile": True})
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(serving.get("autocast"))
     sys.exit(predict_loop.main(args,
                                preprocess.read_spec(HERE / "preprocessing.json"),

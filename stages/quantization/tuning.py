@@ -180,15 +180,16 @@ def keep_sensitive_layers_float(backend: Backend, options: dict, layers: list[st
     images, the fallback tried 0 of 82 layers in what was left of a 3-minute --tuning-time."""
     if baseline is None:
         baseline = score(backend, options, (), reference)
-    if errors is not None:
-        ranked = sorted(((error, layer) for layer, error in errors.items() if layer in layers),
-                        key=lambda g: -g[0])
+    ranked = sorted(((error, layer) for layer, error in (errors or {}).items()
+                     if layer in layers), key=lambda g: -g[0])
+    if ranked:
+        key = "error"
         method = "one pass: each layer's own quantization error on calibration images"
-        say(f"  {len(ranked)} layers ranked in one pass by their own quantization error"
-            + (f" (largest {ranked[0][1]}: {ranked[0][0]:.3g})" if ranked else ""))
-    else:
+        say(f"  {len(ranked)} layers ranked in one pass by their own quantization error "
+            f"(largest {ranked[0][1]}: {ranked[0][0]:.3g})")
+    else:  # no errors, or none under the backend's layer names
         ranked = _rank_by_building(backend, options, layers, baseline, reference, say, deadline)
-        method = "one model per layer, each alone kept in float"
+        method, key = "one model per layer, each alone kept in float", "logit_mse_gain"
     kept: list[str] = []
     trial, unhelpful, tried = baseline, 0, 0
     for _, layer in ranked:
@@ -220,7 +221,6 @@ def keep_sensitive_layers_float(backend: Backend, options: dict, layers: list[st
         stopped = "every layer was tried"
     say(f"  {len(kept)} layer(s) kept in float, {0.0 - trial.drop_points:+.2f} points (at worst "
         f"{0.0 - trial.worst_drop_points:+.2f}): {stopped}")
-    key = "error" if errors is not None else "logit_mse_gain"
     return {"trial": trial, "all_int8": baseline, "met_budget": _within(trial, budget_points),
             "stopped": stopped, "ranked_by": method,
             "ranking": [{"layer": layer, key: value} for value, layer in ranked],

@@ -17,7 +17,7 @@ KERNELS = {
     ("Conv", "float"): r"(?:mkldnn(?:\._|__)convolution_pointwise[\w.]*\(|"
                        r"extern_kernels\.convolution\(|aten\.convolution[\w.]*\(|"
                        r"aoti_torch_cpu_convolution\w*\()",
-    ("Linear", "float"): r"(?:mkldnn(?:\._|__)linear_pointwise[\w.]*\(|"
+    ("Linear", "float"): r"(?:(?:mkldnn\.|aoti_torch_cpu_)_linear_pointwise[\w.]*\(|"
                          r"(?:mkl\._|aoti_torch_cpu__)mkl_linear[\w.]*\(|"
                          r"(?:extern_kernels\.|aoti_torch_cpu_)(?:mm|addmm|bmm|baddbmm)(?:_out)?\()",
 }

@@ -196,11 +196,14 @@ def static_candidates(equalize: bool, auto: bool, also_equalized: bool,
     """torch-static's configurations: X86InductorQuantizer's recipe (pt2e_options), and with
     --auto also the activations' range from their extremes rather than a histogram, the
     histogram after cross-layer equalization, and (on a model with depthwise convolutions)
-    those in the other precision than this CPU's default, timed rather than assumed."""
-    default = pt2e.pt2e_options(observer="histogram") | {"equalize": equalize}
+    those in the other precision than this CPU's default, timed rather than assumed. Without
+    ``depthwise`` (none, or nothing else to quantize) no configuration keeps them float."""
+    depthwise_choice = {} if depthwise else {"float_depthwise": False}
+    default = pt2e.pt2e_options(observer="histogram") | {"equalize": equalize} | depthwise_choice
     if not auto:
         return [default]
-    candidates = [default, pt2e.pt2e_options(observer="minmax") | {"equalize": equalize}]
+    candidates = [default, pt2e.pt2e_options(observer="minmax") | {"equalize": equalize}
+                  | depthwise_choice]
     if also_equalized:
         candidates.append(default | {"equalize": True})
     if depthwise:
@@ -217,7 +220,8 @@ def make_static(ctx) -> dict:
         ctx.equalizes(per_tensor_weights=False), config.auto,
         also_equalized=config.auto and config.equalize is None
         and ctx.equalized_model()[1]["applied"],
-        depthwise=bool(pt2e.depthwise_names(ctx.float_model())))
+        depthwise=bool(pt2e.depthwise_names(ctx.float_model()))
+        and bool(_quantized_layers(ctx.float_model(), {"float_depthwise": True})))
     reference = ctx.reference(lambda images: predict(ctx.float_model(), images))
     ctx.say("torch-static: scoring on the validation slice")
     trial, record = tuning.tune(_backend(ctx, calibration), candidates, reference,

@@ -233,6 +233,11 @@ def test_the_fallback_keeps_in_float_only_layers_the_configuration_quantizes(mon
     record, built = _scripted_fallback(monkeypatch, ["conv0", "conv2"], logit_mse, errors=errors)
     assert built == [(), ("conv2",), ("conv2", "conv0")]
     assert [r["layer"] for r in record["ranking"]] == ["conv2", "conv0"]
+    # Errors under none of the backend's names: ranked by building, not left unranked.
+    record, built = _scripted_fallback(monkeypatch, ["conv0", "conv2"], logit_mse,
+                                       errors={"dw1": 0.9})
+    assert record["ranked_by"].startswith("one model per layer") and ("conv0",) in built
+    assert record["met_budget"]
 
 
 def test_the_fallback_stops_when_its_time_is_spent(monkeypatch):

@@ -54,4 +54,15 @@ def test_auto_times_depthwise_convolutions_in_both_precisions_on_a_model_that_ha
     assert [(c["observer"], c["equalize"], c["float_depthwise"]) for c in auto] == [
         ("histogram", False, default), ("minmax", False, default),
         ("histogram", True, default), ("histogram", False, not default)]
-    assert len(static_candidates(False, True, also_equalized=False, depthwise=False)) == 2
+    # A model with no depthwise convolution (or nothing else to quantize) keeps none float,
+    # and its configurations do not say otherwise.
+    plain = static_candidates(False, True, also_equalized=False, depthwise=False)
+    assert [c["float_depthwise"] for c in plain] == [False, False]
+
+
+def test_the_fallback_is_offered_only_the_layers_a_configuration_quantizes():
+    from stages.runtimes.pytorch import _quantized_layers
+
+    block = _inverted_residual()
+    assert _quantized_layers(block, {"float_depthwise": True}) == ["0", "6"]
+    assert _quantized_layers(block, {"float_depthwise": False}) == ["0", "3", "6"]
