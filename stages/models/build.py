@@ -135,34 +135,7 @@ def build_model(name: str, num_classes: int, in_channels: int, image_size: int =
         model = torchvision.models.get_model(name, weights=None, num_classes=num_classes,
                                              **TORCHVISION_OPTIONS.get(name, {}))
     _adapt_input_channels(model, in_channels)
-    _start_at_chance(model, num_classes)
     return model
-
-
-def _start_at_chance(model, num_classes: int) -> None:
-    """Zero the classifier (the last Linear layer with a logit per class) where its initial
-    weights are more than twice as spread as PyTorch's default for a Linear layer of its
-    fan-in: torchvision scales some heads for its 1,000 classes by their outputs, and with 10
-    classes mnasnet0_5 (kaiming fan-out) and efficientnet_b0 (uniform +-1/sqrt(classes))
-    started at losses of 13.3 and 6.1 on notMNIST. Zeroed, training starts at chance (loss
-    ln(classes)). Heads already at the default scale (resnet18's) or below it (mobilenet's
-    normal(0, 0.01)) keep their initialisation."""
-    import math
-
-    import torch
-    from torch import nn
-
-    heads = [module for module in model.modules()
-             if isinstance(module, nn.Linear) and module.out_features == num_classes]
-    if not heads:
-        return
-    head = heads[-1]
-    default_std = 1.0 / math.sqrt(3 * head.in_features)  # uniform(+-1/sqrt(fan_in))
-    if float(head.weight.std()) > 2 * default_std:
-        with torch.no_grad():
-            head.weight.zero_()
-            if head.bias is not None:
-                head.bias.zero_()
 
 
 def model_spec(name: str, num_classes: int, in_channels: int, image_size: int) -> dict:
