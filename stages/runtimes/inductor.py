@@ -29,7 +29,7 @@ COMPILED_BATCH = 32  # compiled models predict in batches of this size: one grap
 # torch-static 5.57 against 7.17 ms at batch 32, the Python wrapper's cost per kernel call
 # (docs/measurements.md), for about 3 s more per compile. Its
 # kernel calls and Inductor's own kernels reach torch.profiler only with kernel profiling on
-# (a record per call, checked against a thread-local flag when no profiler runs).
+# (a record per call; the timings above were taken with it on).
 COMPILE_OPTIONS = {"cpp_wrapper": True, "cpp.enable_kernel_profile": True}
 
 
