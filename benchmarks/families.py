@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/families.py --data-dir DIR [--dataset mnist]
         [--models resnet18,mobilenet_v2,mobilenet_v3_large,efficientnet_b0,mnasnet0_5,mixer]
         [--artifacts-dir artifacts-families] [--image-size 32] [--train-time 10m]
-        [--tuning-time 3m]
+        [--tuning-time 3m] [--modes default,auto]
 
 For each model: trains it with the product's defaults within --train-time (or reuses a run of
 that name whose train stage is complete), runs `quantize` with the defaults and a report at
@@ -132,13 +132,18 @@ def main() -> None:
                                                              "(default: 10m)")
     parser.add_argument("--tuning-time", help="passed to quantize (90s, 5m): each static "
                                               "backend's search; default: no limit")
+    parser.add_argument("--modes", default="default,auto",
+                        help="quantize with the defaults, with --auto, or both (default)")
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if not modes or set(modes) - {"default", "auto"}:
+        parser.error(f"--modes takes default, auto or both, not {args.modes!r}")
     started = time.monotonic()
     rows = []
     for model in args.models.split(","):
         if not trained(args.artifacts_dir, model):
             print(f"{model}: training ({train(args, model):.0f} s)", flush=True)
-        for mode in ("default", "auto"):
+        for mode in modes:
             rows += quantize_and_report(args, model, mode)
             print(f"{model}: quantize {mode} done", flush=True)
     print(table(rows))
