@@ -135,7 +135,27 @@ def build_model(name: str, num_classes: int, in_channels: int, image_size: int =
         model = torchvision.models.get_model(name, weights=None, num_classes=num_classes,
                                              **TORCHVISION_OPTIONS.get(name, {}))
     _adapt_input_channels(model, in_channels)
+    _rescale_oversized_head(model, num_classes)
     return model
+
+
+def _rescale_oversized_head(model, num_classes: int) -> None:
+    """Give the classifier (the last Linear layer with a logit per class) PyTorch's default
+    initialisation where torchvision's is more than twice as spread: torchvision scales some
+    heads by their outputs, for its 1,000 classes, and with 10 classes mnasnet0_5 (kaiming
+    fan-out) and efficientnet_b0 (uniform +-1/sqrt(classes)) started at losses of 13.3 and 6.1
+    on notMNIST. Not zeroed: a zero head passes no gradient to the layers below it, and
+    efficientnet_b0's loss then fell too little in the range test for it to choose a learning
+    rate (docs/measurements.md). Heads at the default scale (resnet18's) or below it
+    (mobilenet's normal(0, 0.01)) keep their initialisation."""
+    import math
+
+    from torch import nn
+
+    heads = [module for module in model.modules()
+             if isinstance(module, nn.Linear) and module.out_features == num_classes]
+    if heads and float(heads[-1].weight.std()) > 2 / math.sqrt(3 * heads[-1].in_features):
+        heads[-1].reset_parameters()  # uniform(+-1/sqrt(fan_in)): std 1/sqrt(3 fan_in)
 
 
 def model_spec(name: str, num_classes: int, in_channels: int, image_size: int) -> dict:

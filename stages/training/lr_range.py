@@ -10,6 +10,11 @@ at the lowest smoothed loss divided by SAFETY: past that minimum the loss blows 
 cosine schedule holds its peak for many steps where the test held each value for one (at 1.5,
 mnasnet0_5 came apart on notMNIST: 12% validation accuracy after three epochs).
 
+A network that learns slowly from chance (efficientnet_b0 on notMNIST, its classifier at
+PyTorch's default scale) may not move its loss in MAX_STEPS steps of one each per learning rate:
+where the loss never fell, the test runs once more over LONG_STEPS, each learning rate held
+three times as long, before it gives up.
+
 The steepest descent is recorded and plotted, not chosen: on networks whose loss falls at any
 learning rate at first (a poor initial scale, or easy early progress), it sits at the test's
 first steps. Measured on notMNIST (docs/measurements.md), in a test from 1e-4:
@@ -29,11 +34,23 @@ from stages.run.progress import say
 from stages.training import distributed
 from stages.training.loop import DeviceSums, build_parts, train_step
 
+
+class NeverFell(PipelineError):
+    """The range test's loss did not fall enough for a learning rate to be read from it."""
+
+    def __init__(self, lrs: list[float], detail: str):
+        tried = f"{lrs[0]:.1e} to {lrs[-1]:.1e}" if lrs else f"from {START_LR:.0e}"
+        super().__init__(f"--lr auto: the training loss never fell while the learning rate "
+                         f"rose over {tried} in {len(lrs)} steps ({detail}); check the data "
+                         "and labels, or give --lr yourself")
+        self.detail = detail
+
 # 50 steps a decade: at 25 the loss of mobilenet_v2 on notMNIST had not fallen by the time it
 # blew up. Starting at 1e-3 rather than 1e-4 moved the minima found 9 to 25% lower and
 # saved a quarter to a third of the steps (docs/measurements.md).
 START_LR, END_LR = 1e-3, 1.0
 MAX_STEPS = 150
+LONG_STEPS = 3 * MAX_STEPS  # efficientnet_b0's loss fell 2.34 to 2.25 in 150 steps, to 1.2 in 500
 SMOOTHING = 0.98
 DIVERGED = 3.0
 SAFETY = 2.0
@@ -51,7 +68,12 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> float:
         return saved["resolved_lr"]
     say(f"--lr auto: a learning-rate range test of up to {MAX_STEPS} steps ({START_LR:g} to "
         f"{END_LR:g}) ...", quiet=config.quiet)
-    curve = range_test(config, splits, precision, device)
+    try:
+        curve = range_test(config, splits, precision, device)
+    except NeverFell as exc:
+        say(f"--lr auto: the loss did not fall in {MAX_STEPS} steps ({exc.detail}); trying "
+            f"again over {LONG_STEPS}, each learning rate held longer ...", quiet=config.quiet)
+        curve = range_test(config, splits, precision, device, LONG_STEPS)
     if distributed.current().is_main:
         path = run.root / "train" / "lr-range.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -63,8 +85,8 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> float:
 
 
 def range_test(config, splits, precision, device, steps: int = MAX_STEPS) -> dict:
-    """The curve (lrs, smoothed losses) and the learning rates read from it; PipelineError
-    where the loss never fell."""
+    """The curve (lrs, smoothed losses) and the learning rates read from it; NeverFell where
+    the loss never fell."""
     import torch
 
     probe = dataclasses.replace(config, lr=1.0, time=None)  # the schedule below sets the lr
@@ -111,21 +133,15 @@ def choose(lrs: list[float], losses: list[float]) -> dict:
     the loss against log(lr) before its minimum, for the plot), `minimum` (where the loss was
     lowest) and `chosen` (the minimum divided by SAFETY)."""
     if len(losses) <= SKIPPED_START + 2:
-        raise PipelineError(_never_fell(lrs, "too few steps ran before the loss blew up"))
+        raise NeverFell(lrs, "too few steps ran before the loss blew up")
     lowest_at = min(range(len(losses)), key=losses.__getitem__)
     start = losses[SKIPPED_START]
     if lowest_at <= SKIPPED_START or losses[lowest_at] > (1 - LEAST_FALL) * start:
-        raise PipelineError(_never_fell(lrs, f"the smoothed loss went from {start:.3g} to at "
-                                             f"best {losses[lowest_at]:.3g}"))
+        raise NeverFell(lrs, f"the smoothed loss went from {start:.3g} to at best "
+                             f"{losses[lowest_at]:.3g}")
     slopes = [(losses[i + 1] - losses[i - 1]) / math.log(lrs[i + 1] / lrs[i - 1])
               for i in range(SKIPPED_START, lowest_at)]
     steepest = lrs[SKIPPED_START + min(range(len(slopes)), key=slopes.__getitem__)]
     minimum = lrs[lowest_at]
     return {"steepest": steepest, "minimum": minimum, "chosen": minimum / SAFETY}
 
-
-def _never_fell(lrs: list[float], detail: str) -> str:
-    tried = f"{lrs[0]:.1e} to {lrs[-1]:.1e}" if lrs else f"from {START_LR:.0e}"
-    return (f"--lr auto: the training loss never fell while the learning rate rose over "
-            f"{tried} in {len(lrs)} steps ({detail}); check the data and labels, or give --lr "
-            "yourself")

@@ -306,6 +306,39 @@ def test_the_range_test_chooses_below_the_minimum_and_refuses_a_loss_that_never_
         lr_range.choose(lrs, [2.3] * 60)
 
 
+def test_a_range_test_whose_loss_never_fell_runs_once_more_held_longer(tmp_path, monkeypatch):
+    """A network that learns slowly from chance gets a second test over LONG_STEPS before
+    --lr auto gives up; where that one fails too, the error is the test's and no curve is
+    kept."""
+    from stages.run.errors import PipelineError
+    from stages.training import lr_range
+
+    tried = []
+
+    def range_test(config, splits, precision, device, steps=lr_range.MAX_STEPS):
+        tried.append(steps)
+        if steps < slow_learner_steps:
+            raise lr_range.NeverFell([1e-3, 2e-3], "the smoothed loss went from 2.3 to 2.29")
+        return {"lrs": [1e-3], "losses": [2.3], "steps": steps, "chosen": 0.04,
+                "minimum": 0.08, "steepest": 0.02}
+
+    monkeypatch.setattr(lr_range, "range_test", range_test)
+    config = TrainConfig(**TINY_TRAIN | {"lr": "auto"})
+    slow_learner_steps = lr_range.LONG_STEPS
+    run = artifacts.create_run(tmp_path, "slow")
+    assert lr_range.peak_lr(config, None, None, None, run, {}) == 0.04
+    assert tried == [lr_range.MAX_STEPS, lr_range.LONG_STEPS]
+    assert "lr-range" in run.artifacts()
+    tried.clear()
+    slow_learner_steps = lr_range.LONG_STEPS + 1
+    flat = artifacts.create_run(tmp_path, "flat")
+    with pytest.raises(PipelineError, match="the training loss never fell"):
+        lr_range.peak_lr(config, None, None, None, flat, {})
+    assert tried == [lr_range.MAX_STEPS, lr_range.LONG_STEPS]
+    assert "lr-range" not in flat.artifacts()
+    assert not (flat.root / "train" / "lr-range.json").exists()
+
+
 def test_resume_takes_the_runs_own_configuration_with_todays_quiet_and_device(tmp_path):
     """train rebuilds its configuration for --resume from the run's config.json: every
     setting as the run was started, but for --quiet and --device, which are today's."""

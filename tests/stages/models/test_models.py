@@ -16,6 +16,36 @@ def test_models_take_grey_images_and_give_one_logit_per_class(name):
         assert model(torch.randn(2, 1, 32, 32)).shape == (2, 10)
 
 
+@pytest.mark.parametrize("name", ["mnasnet0_5", "efficientnet_b0"])
+def test_a_head_scaled_for_1000_classes_starts_near_chance_and_passes_gradient(name):
+    """torchvision scales these heads by their outputs: built for 10 classes they began at
+    losses of 13.3 and 6.1. At PyTorch's default scale the first loss is near ln(10), and the
+    layers below the head get a gradient from the first step (a zeroed head gives them none)."""
+    torch.manual_seed(0)
+    model = build_model(name, num_classes=10, in_channels=1).train()
+    head = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
+    assert float(head.weight.detach().std()) < 1.2 / (3 * head.in_features) ** 0.5
+    images, labels = torch.randn(8, 1, 32, 32), torch.arange(8)
+    loss = torch.nn.functional.cross_entropy(model(images), labels)
+    assert abs(loss.item() - torch.log(torch.tensor(10.0)).item()) < 0.3
+    loss.backward()
+    below = [p for p in model.parameters() if p.ndim == 4]  # the convolutions
+    assert all(p.grad is not None for p in below) and float(below[-1].grad.abs().sum()) > 0
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
+def test_a_head_at_or_below_pytorchs_own_scale_keeps_its_initialisation(name):
+    torch.manual_seed(0)
+    head = [m for m in build_model(name, num_classes=10, in_channels=1).modules()
+            if isinstance(m, torch.nn.Linear)][-1]
+    torch.manual_seed(0)
+    import torchvision
+
+    original = [m for m in torchvision.models.get_model(name, weights=None, num_classes=10)
+                .modules() if isinstance(m, torch.nn.Linear)][-1]
+    assert torch.equal(head.weight, original.weight)
+
+
 def test_unknown_model_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown model 'resnet7'.*smallcnn.*resnet18"):
         build_model("resnet7", 10, 1)
