@@ -154,8 +154,11 @@ def _rescale_oversized_head(model, num_classes: int) -> None:
 
     heads = [module for module in model.modules()
              if isinstance(module, nn.Linear) and module.out_features == num_classes]
-    if heads and float(heads[-1].weight.std()) > 2 / math.sqrt(3 * heads[-1].in_features):
-        heads[-1].reset_parameters()  # uniform(+-1/sqrt(fan_in)): std 1/sqrt(3 fan_in)
+    if not heads:
+        return
+    default_std = 1 / math.sqrt(3 * heads[-1].in_features)  # of uniform(+-1/sqrt(fan_in))
+    if float(heads[-1].weight.detach().std()) > 2 * default_std:
+        heads[-1].reset_parameters()
 
 
 def model_spec(name: str, num_classes: int, in_channels: int, image_size: int) -> dict:

@@ -6,9 +6,10 @@ follows) takes up to MAX_STEPS optimizer steps on training batches while the lea
 rises exponentially from START_LR to END_LR, under the precision and batch size training will
 use. The loss is smoothed (an exponential moving average, bias-corrected); the test stops once
 it passes DIVERGED times its lowest value. The peak learning rate chosen is the learning rate
-at the lowest smoothed loss divided by SAFETY: past that minimum the loss blows up, and SGD's
-cosine schedule holds its peak for many steps where the test held each value for one (at 1.5,
-mnasnet0_5 came apart on notMNIST: 12% validation accuracy after three epochs).
+at the lowest smoothed loss divided by SAFETY (past that minimum the loss blows up, and SGD's
+cosine schedule holds its peak for many steps where the test held each value for one; at 1.5,
+mnasnet0_5 came apart on notMNIST: 12% validation accuracy after three epochs), and at most
+CEILING_PER_256 per 256 images a step.
 
 A network that learns slowly from chance (efficientnet_b0 on notMNIST, its classifier at
 PyTorch's default scale) may not move its loss in MAX_STEPS steps of one each per learning rate:
@@ -54,6 +55,11 @@ LONG_STEPS = 3 * MAX_STEPS  # efficientnet_b0's loss fell 2.34 to 2.25 in 150 st
 SMOOTHING = 0.98
 DIVERGED = 3.0
 SAFETY = 2.0
+# The peak is at most twice Goyal et al.'s linear-scaling rule for SGD with momentum (0.1 per
+# 256 images a step, "Accurate, Large Minibatch SGD", 2017). The range test holds each learning
+# rate for one step: mobilenet_v3_large's loss still fell at 0.36 there, and 0.18 made its
+# training diverge in the fourth epoch (87% on notMNIST test, 94.75% at 0.05).
+CEILING_PER_256 = 0.2
 SKIPPED_START = 5  # the first steps' smoothed loss stands on too few batches to judge a slope
 LEAST_FALL = 0.05  # the loss must fall by this share of its start for a choice to exist
 
@@ -74,13 +80,19 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> float:
         say(f"--lr auto: the loss did not fall in {MAX_STEPS} steps ({exc.detail}); trying "
             f"again over {LONG_STEPS}, each learning rate held longer ...", quiet=config.quiet)
         curve = range_test(config, splits, precision, device, LONG_STEPS)
-    if distributed.current().is_main:
+    world = distributed.current()
+    curve["ceiling"] = CEILING_PER_256 * config.batch_size * world.world_size / 256
+    curve["chosen"] = min(curve["chosen"], curve["ceiling"])
+    if world.is_main:
         path = run.root / "train" / "lr-range.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(curve) + "\n")
         run.register("lr-range", path, kind="metrics", stage="train")
+    capped = (f", at most {curve['ceiling']:.3g} at batch {config.batch_size * world.world_size}"
+              if curve["chosen"] == curve["ceiling"] else "")
     say(f"--lr auto: {curve['chosen']:.3g} (steepest descent at {curve['steepest']:.3g}, "
-        f"lowest loss at {curve['minimum']:.3g}, {curve['steps']} steps)", quiet=config.quiet)
+        f"lowest loss at {curve['minimum']:.3g}, {curve['steps']} steps{capped})",
+        quiet=config.quiet)
     return curve["chosen"]
 
 

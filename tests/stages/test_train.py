@@ -267,7 +267,9 @@ def test_lr_auto_finds_a_learning_rate_by_a_range_test_and_keeps_its_curve(tmp_p
     curve = json.loads(run.verified_path("lr-range").read_text())
     recorded = run.recorded_config("train")
     assert recorded["lr"] == "auto" and recorded["resolved_lr"] == curve["chosen"]
-    assert lr_range.START_LR <= curve["chosen"] == curve["minimum"] / lr_range.SAFETY
+    assert curve["ceiling"] == lr_range.CEILING_PER_256 * 64 / 256  # TINY_TRAIN's batch
+    assert lr_range.START_LR <= curve["chosen"] == min(curve["minimum"] / lr_range.SAFETY,
+                                                       curve["ceiling"])
     assert 10 < curve["steps"] <= lr_range.MAX_STEPS and len(curve["lrs"]) == curve["steps"]
     assert curve["lrs"] == sorted(curve["lrs"])  # rising exponentially
     checkpoint = loading.load_checkpoint(run.verified_path("amp/checkpoint-last"))
@@ -279,9 +281,12 @@ def test_lr_auto_finds_a_learning_rate_by_a_range_test_and_keeps_its_curve(tmp_p
 
     plots.lr_range(curve, tmp_path / "lr-range.png")
     assert (tmp_path / "lr-range.png").read_bytes()[:4] == b"\x89PNG"
+    capped = curve["chosen"] == curve["ceiling"]
+    divisor = f"{curve['minimum'] / curve['ceiling']:.3g}" if capped else "2"
     assert (f"Peak learning rate {curve['chosen']:.3g}, found by a range test of "
             f"{curve['steps']} steps from 0.001 upwards: the learning rate where the smoothed "
-            f"loss was lowest ({curve['minimum']:.3g}) divided by 2."
+            f"loss was lowest ({curve['minimum']:.3g}) divided by {divisor}"
+            + (", the most the batch size allows" if capped else ".")
             ) in _lr_sentence({"learning_rate": learning_rate})
 
 
@@ -337,6 +342,29 @@ def test_a_range_test_whose_loss_never_fell_runs_once_more_held_longer(tmp_path,
     assert tried == [lr_range.MAX_STEPS, lr_range.LONG_STEPS]
     assert "lr-range" not in flat.artifacts()
     assert not (flat.root / "train" / "lr-range.json").exists()
+
+
+def test_the_peak_found_is_at_most_twice_the_linear_scaling_rule(tmp_path, monkeypatch):
+    """A range test holds each learning rate for one step: mobilenet_v3_large's loss still fell
+    at 0.36 and training at half that diverged. The peak is capped at 0.2 per 256 images a step
+    (0.05 at batch 64), and the report says it was."""
+    from stages.report.markdown import _lr_sentence
+    from stages.training import lr_range
+
+    found = {"lrs": [1e-3], "losses": [2.3], "steps": 145, "start_lr": 1e-3, "chosen": 0.18,
+             "minimum": 0.36, "steepest": 0.06}
+    monkeypatch.setattr(lr_range, "range_test", lambda *args, **kwargs: dict(found))
+    curves = {}
+    for batch, peak in ((64, 0.05), (128, 0.1), (1024, 0.18)):
+        run = artifacts.create_run(tmp_path, f"batch{batch}")
+        config = TrainConfig(**TINY_TRAIN | {"lr": "auto", "batch_size": batch})
+        assert lr_range.peak_lr(config, None, None, None, run, {}) == pytest.approx(peak)
+        curves[batch] = json.loads(run.verified_path("lr-range").read_text())
+    assert curves[1024]["chosen"] == 0.18 and curves[1024]["ceiling"] == pytest.approx(0.8)
+    capped = curves[64]
+    sentence = _lr_sentence({"learning_rate": {"value": capped["chosen"], "curve": capped}})
+    assert sentence.endswith("(0.36) divided by 7.2, the most the batch size allows (twice "
+                             "Goyal et al.'s linear scaling rule).")
 
 
 def test_resume_takes_the_runs_own_configuration_with_todays_quiet_and_device(tmp_path):
