@@ -17,14 +17,15 @@ DEPTHWISE_IN_FLOAT = ("without VNNI, oneDNN runs int8 depthwise convolutions thr
                       "uxlfoundation/oneDNN#1043")
 
 
-def diagnose_slow(row: dict, vnni: bool = True) -> str:
-    """Why an int8 variant is slow, read from what it contains rather than from its name;
+def diagnose_slow(row: dict, vnni: bool = True, lost: str | None = None) -> str:
+    """Why an int8 variant is slow, read from what it contains rather than from its name, and
+    from ``lost`` (profile.largest_loss: where the profiles found it losing the most time);
     on a CPU without VNNI, that its int8 kernels gain little over float there."""
-    cause = _contents_cause(row)
+    cause = _contents_cause(row, lost)
     return cause if vnni or "Integer" in cause else f"{cause}; and {NO_VNNI}"
 
 
-def _contents_cause(row: dict) -> str:
+def _contents_cause(row: dict, lost: str | None = None) -> str:
     counts = row["op_counts"]
     ops = {op for c in counts.values() for op in c.get("ops", {})}
     quantization = row.get("quantization") or {}
@@ -47,8 +48,15 @@ def _contents_cause(row: dict) -> str:
                if (quantization.get("options") or {}).get("float_depthwise") else "")
         return (f"{parts} layers still run in float{why}, so it pays for quantizing and "
                 "dequantizing around them")
+    if lost:  # measured: on mnasnet0_5 (VNNI) the int8 convolutions themselves were slower
+        return f"every Conv/Linear layer runs in int8, yet it loses the most time in {lost}"
     return ("every Conv/Linear layer runs in int8, so the time goes to what is not int8 "
             "(quantize/dequantize steps, pooling, normalisation) or to per-call overhead")
+
+
+def _lost(profiles: dict | None, name: str, size: str) -> str | None:
+    measured = profiles and str(profiles["batch_size"]) == size
+    return profile.largest_loss(profiles, name) if measured else None
 
 
 def _measured_time(profiles: dict | None, name: str, size: str) -> str:
@@ -71,7 +79,7 @@ def warnings_for(rows: list[dict], reference: str, budget_points: float,
                              f"{ratio['best_float']} at batch {size} "
                              f"({row['latency_ms'][size]['p50']:.2f} ms against "
                              f"{by_name[ratio['best_float']]['latency_ms'][size]['p50']:.2f} ms):"
-                             f" {diagnose_slow(row, vnni)}."
+                             f" {diagnose_slow(row, vnni, _lost(profiles, row['name'], size))}."
                              + _measured_time(profiles, row["name"], size))
         if worst_accuracy_drop(row) > budget_points:
             found.append(f"{row['name']} may lose up to {worst_accuracy_drop(row):.2f} points of "

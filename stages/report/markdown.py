@@ -262,13 +262,15 @@ def _training(report: dict) -> list[str]:
                   else str(t.get("epochs_run") or t.get("epochs") or "-"))
         lines.append(f"| `{name}` | {t['precision']} | {t['device']} | {epochs} | "
                      f"{t['seconds']:.1f} | "
-                     f"{t['samples_per_second']:.0f} | {t['peak_memory_bytes'] / 1e6:.0f} | "
+                     f"{t['samples_per_second']:.0f} | {_megabytes(t['peak_memory_bytes'])} | "
                      f"{t['checkpoint_bytes'] / 1e6:.2f} | {t['model_bytes'] / 1e6:.2f} | "
                      f"{t.get('chosen') or '-'} | {t['test_accuracy']:.2%} | "
                      f"{t['skipped_steps']} |")
     method = next(iter(training.values())).get("peak_memory_method") or "not measured"
     isa = {name: (t.get("isa") or {}) for name, t in training.items()}
-    lines += ["", f"Peak memory is the {method}. Every later stage starts from model.pt, the "
+    memory = (f"Peak memory was {method}" if method.startswith("not measured")
+              else f"Peak memory is the {method}")
+    lines += ["", f"{memory}. Every later stage starts from model.pt, the "
               "epoch with the best validation accuracy." + _lr_sentence(report)]
     for name, found in isa.items():
         if found:
@@ -279,6 +281,10 @@ def _training(report: dict) -> list[str]:
         if figure in report["figures"]:
             lines += [f"![{report['figures'][figure]}]({figure})", ""]
     return lines
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:.0f}" if count else "-"  # 0: not measured
 
 
 def _lr_sentence(report: dict) -> str:
@@ -292,7 +298,9 @@ def _lr_sentence(report: dict) -> str:
     return (f" Peak learning rate {found['value']:.3g}, found by a range test of "
             f"{curve['steps']} steps from {curve['start_lr']:g} upwards: the learning rate "
             f"where the smoothed loss was lowest ({curve['minimum']:.3g}) divided by "
-            f"{curve['minimum'] / curve['chosen']:.3g}.")
+            f"{curve['minimum'] / curve['chosen']:.3g}"
+            + (", the most the batch size allows (twice Goyal et al.'s linear scaling rule)."
+               if found["value"] == curve.get("ceiling") else "."))
 
 
 def _gpu_paragraph(report: dict) -> list[str]:

@@ -11,7 +11,7 @@ import torch
 from pipeline.config import ReportConfig
 from stages import report
 from stages.measure import contention, timing
-from stages.report import diagnosis, judging, measuring, plots, recommendation
+from stages.report import diagnosis, judging, measuring, plots, profile, recommendation
 from stages.report.markdown import markdown
 from tests.conftest import ALL_VARIANTS
 
@@ -256,6 +256,35 @@ def test_warnings_explain_slow_int8_from_what_it_contains():
     assert diagnosis.diagnose_slow(rows[2]) == (
         "dynamic int8 quantizes the fully connected layers alone, and its 20 Conv layers run in "
         "float as in the float model; static int8 quantizes them")
+
+
+def test_a_slow_fully_int8_variant_is_explained_by_its_profile_not_a_guess():
+    """mnasnet0_5 on the VNNI EPYC: every convolution of torch-static ran in int8, and the
+    profile found the int8 convolutions themselves slower than onnx-fp32's float ones; the
+    warning says that instead of guessing at quantize steps or overhead."""
+    rows = [_row("onnx-fp32", [5.0] * 6, 0.0, int8=False), _row("torch-static", [9.0] * 6, 0.0)]
+    rows[1]["op_counts"] = {"Conv": {"int8": 52, "float": 0}}
+    recommendation.speedups(rows, "onnx-fp32")
+    kinds = [{"kind": "convolution", "float_ms": 0.91, "ms": 1.36, "share": 0.82},
+             {"kind": "compiled graph's own code", "float_ms": None, "ms": 0.17, "share": 0.1},
+             {"kind": "pooling", "float_ms": 0.03, "ms": 0.0, "share": 0.0}]
+    profiles = {"batch_size": 32, "tables": [
+        {"variant": "torch-static", "float": "onnx-fp32", "rows": kinds}], "variants": {
+        "torch-static": {"operators": {"qconv_pointwise_tensor": 1.11}}}}
+    [warning] = diagnosis.warnings_for(rows, "onnx-fp32", 1.0, training={}, profiles=profiles)
+    assert ("every Conv/Linear layer runs in int8, yet it loses the most time in convolution: "
+            "1.36 ms a call against 0.91 ms in onnx-fp32. Measured at batch 32, its time goes "
+            "to qconv_pointwise_tensor 1.11 ms (100%).") in warning
+    assert "per-call overhead" not in warning
+    # Where the int8 variant loses nowhere, or was profiled at another batch, the guess stays.
+    kinds[0]["ms"] = 0.5
+    assert profile.largest_loss(profiles, "torch-static") == (
+        "compiled graph's own code: 0.17 ms a call against 0.00 ms in onnx-fp32")
+    kinds[1]["ms"] = 0.0
+    assert profile.largest_loss(profiles, "torch-static") is None
+    profiles["batch_size"] = 1
+    [guess] = diagnosis.warnings_for(rows, "onnx-fp32", 1.0, training={}, profiles=profiles)
+    assert "or to per-call overhead" in guess
 
 
 def test_the_quantization_table_says_depthwise_convolutions_were_kept_in_float_and_why():
@@ -505,3 +534,22 @@ def test_report_md_says_plainly_when_its_figures_were_timed_on_a_busy_machine(ti
     data["warnings"] = contention.warnings(data["timing_conditions"])
     assert "not clean, as the verdict says" in markdown(data)
     assert "Other processes used 1.02 cores" in report.summary_table(data)
+
+
+def test_peak_memory_not_measured_is_said_so_and_not_printed_as_zero(tiny_run):
+    from stages.report.markdown import _training
+
+    report = copy.deepcopy(tiny_run["report"])
+    for entry in report["training"].values():
+        entry["peak_memory_bytes"], entry["peak_memory_method"] = 5e6, "peak RSS of its process"
+    measured = _training(report)
+    assert "Peak memory is the peak RSS of its process. Every" in "\n".join(measured)
+    assert [row.split(" | ")[6] for row in measured if row.startswith("| `")][0] == "5"
+    for entry in report["training"].values():
+        entry["peak_memory_bytes"], entry["peak_memory_method"] = (
+            0, "not measured (--no-measure-memory)")
+    lines = _training(report)
+    assert "Peak memory was not measured (--no-measure-memory). Every later stage" in "\n".join(
+        lines)
+    rows = [line for line in lines if line.startswith("| `")]
+    assert rows and all(row.split(" | ")[6] == "-" for row in rows)
