@@ -35,17 +35,6 @@ from stages.run.progress import say
 from stages.training import distributed
 from stages.training.loop import DeviceSums, build_parts, train_step
 
-
-class NeverFell(PipelineError):
-    """The range test's loss did not fall enough for a learning rate to be read from it."""
-
-    def __init__(self, lrs: list[float], detail: str):
-        tried = f"{lrs[0]:.1e} to {lrs[-1]:.1e}" if lrs else f"from {START_LR:.0e}"
-        super().__init__(f"--lr auto: the training loss never fell while the learning rate "
-                         f"rose over {tried} in {len(lrs)} steps ({detail}); check the data "
-                         "and labels, or give --lr yourself")
-        self.detail = detail
-
 # 50 steps a decade: at 25 the loss of mobilenet_v2 on notMNIST had not fallen by the time it
 # blew up. Starting at 1e-3 rather than 1e-4 moved the minima found 9 to 25% lower and
 # saved a quarter to a third of the steps (docs/measurements.md).
@@ -62,6 +51,17 @@ SAFETY = 2.0
 CEILING_PER_256 = 0.2
 SKIPPED_START = 5  # the first steps' smoothed loss stands on too few batches to judge a slope
 LEAST_FALL = 0.05  # the loss must fall by this share of its start for a choice to exist
+
+
+class NeverFell(PipelineError):
+    """The range test's loss did not fall enough for a learning rate to be read from it."""
+
+    def __init__(self, lrs: list[float], detail: str):
+        tried = f"{lrs[0]:.1e} to {lrs[-1]:.1e}" if lrs else f"from {START_LR:.0e}"
+        super().__init__(f"--lr auto: the training loss never fell while the learning rate "
+                         f"rose over {tried} in {len(lrs)} steps ({detail}); check the data "
+                         "and labels, or give --lr yourself")
+        self.detail = detail
 
 
 def peak_lr(config, splits, precision, device, run, saved: dict) -> float:
