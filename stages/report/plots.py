@@ -144,9 +144,11 @@ def lr_range(curve: dict, path: Path) -> None:
     steepest descent, the lowest loss and the value chosen marked."""
     plt, fig, (ax,) = _figure(6, 4)
     ax.plot(curve["lrs"], curve["losses"], color="tab:blue")
+    capped = curve["chosen"] == curve.get("ceiling")
     for key, style, label in (("steepest", ":", "steepest descent"),
                               ("minimum", "--", "lowest loss"),
-                              ("chosen", "-", "chosen peak")):
+                              ("chosen", "-", "chosen peak, the batch's ceiling" if capped
+                               else "chosen peak")):
         ax.axvline(curve[key], linestyle=style, color="tab:red" if key == "chosen" else "gray",
                    label=f"{label} {curve[key]:.3g}")
     ax.set(title="learning-rate range test", xlabel="learning rate", xscale="log",
