@@ -295,12 +295,14 @@ def _lr_sentence(report: dict) -> str:
     curve = found.get("curve")
     if not curve:
         return f" Peak learning rate {found['value']:g}, as --lr gave it."
+    capped = found.get("found_by") == "range test" and curve.get("capped")
+    uncapped = curve.get("uncapped", curve["chosen"])
     return (f" Peak learning rate {found['value']:.3g}, found by a range test of "
             f"{curve['steps']} steps from {curve['start_lr']:g} upwards: the learning rate "
             f"where the smoothed loss was lowest ({curve['minimum']:.3g}) divided by "
-            f"{curve['minimum'] / curve['chosen']:.3g}"
-            + (", the most the batch size allows (twice Goyal et al.'s linear scaling rule)."
-               if found["value"] == curve.get("ceiling") else "."))
+            f"{curve['minimum'] / uncapped:.3g}"
+            + (f" ({uncapped:.3g}), held to {curve['ceiling']:.3g}, the most its batch size "
+               "allows (twice Goyal et al.'s linear-scaling rule)." if capped else "."))
 
 
 def _gpu_paragraph(report: dict) -> list[str]:

@@ -144,7 +144,7 @@ def lr_range(curve: dict, path: Path) -> None:
     steepest descent, the lowest loss and the value chosen marked."""
     plt, fig, (ax,) = _figure(6, 4)
     ax.plot(curve["lrs"], curve["losses"], color="tab:blue")
-    capped = curve["chosen"] == curve.get("ceiling")
+    capped = curve.get("capped")
     for key, style, label in (("steepest", ":", "steepest descent"),
                               ("minimum", "--", "lowest loss"),
                               ("chosen", "-", "chosen peak, the batch's ceiling" if capped

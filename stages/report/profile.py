@@ -125,8 +125,8 @@ def largest_loss(profiles: dict | None, name: str) -> str | None:
     row = max(entry["rows"], key=lambda r: r["ms"] - (r["float_ms"] or 0.0))
     if row["ms"] <= (row["float_ms"] or 0.0):
         return None
-    return (f"{row['kind']}: {row['ms']:.2f} ms a call against {row['float_ms'] or 0.0:.2f} ms "
-            f"in {entry['float']}")
+    theirs = f"{row['float_ms']:.2f} ms" if row["float_ms"] else "none"
+    return f"{row['kind']}: {row['ms']:.2f} ms a call against {theirs} in {entry['float']}"
 
 
 def top_operators(profiles: dict | None, name: str) -> str | None:

@@ -77,19 +77,20 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> float:
     try:
         curve = range_test(config, splits, precision, device)
     except NeverFell as exc:
-        say(f"--lr auto: the loss did not fall in {MAX_STEPS} steps ({exc.detail}); trying "
-            f"again over {LONG_STEPS}, each learning rate held longer ...", quiet=config.quiet)
+        say(f"--lr auto: the first test chose no learning rate ({exc.detail}); trying again "
+            f"over {LONG_STEPS} steps, each learning rate held longer ...", quiet=config.quiet)
         curve = range_test(config, splits, precision, device, LONG_STEPS)
     world = distributed.current()
-    curve["ceiling"] = CEILING_PER_256 * config.batch_size * world.world_size / 256
+    batch = config.batch_size * world.world_size
+    curve["ceiling"] = CEILING_PER_256 * batch / 256
+    curve["uncapped"], curve["capped"] = curve["chosen"], curve["chosen"] > curve["ceiling"]
     curve["chosen"] = min(curve["chosen"], curve["ceiling"])
     if world.is_main:
         path = run.root / "train" / "lr-range.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(curve) + "\n")
         run.register("lr-range", path, kind="metrics", stage="train")
-    capped = (f", at most {curve['ceiling']:.3g} at batch {config.batch_size * world.world_size}"
-              if curve["chosen"] == curve["ceiling"] else "")
+    capped = f", at most {curve['ceiling']:.3g} at batch {batch}" if curve["capped"] else ""
     say(f"--lr auto: {curve['chosen']:.3g} (steepest descent at {curve['steepest']:.3g}, "
         f"lowest loss at {curve['minimum']:.3g}, {curve['steps']} steps{capped})",
         quiet=config.quiet)

@@ -281,12 +281,11 @@ def test_lr_auto_finds_a_learning_rate_by_a_range_test_and_keeps_its_curve(tmp_p
 
     plots.lr_range(curve, tmp_path / "lr-range.png")
     assert (tmp_path / "lr-range.png").read_bytes()[:4] == b"\x89PNG"
-    capped = curve["chosen"] == curve["ceiling"]
-    divisor = f"{curve['minimum'] / curve['ceiling']:.3g}" if capped else "2"
+    assert curve["capped"] == (curve["uncapped"] > curve["ceiling"])
     assert (f"Peak learning rate {curve['chosen']:.3g}, found by a range test of "
             f"{curve['steps']} steps from 0.001 upwards: the learning rate where the smoothed "
-            f"loss was lowest ({curve['minimum']:.3g}) divided by {divisor}"
-            + (", the most the batch size allows" if capped else ".")
+            f"loss was lowest ({curve['minimum']:.3g}) divided by 2"
+            + (f" ({curve['uncapped']:.3g}), held to 0.05" if curve["capped"] else ".")
             ) in _lr_sentence({"learning_rate": learning_rate})
 
 
@@ -361,10 +360,14 @@ def test_the_peak_found_is_at_most_twice_the_linear_scaling_rule(tmp_path, monke
         assert lr_range.peak_lr(config, None, None, None, run, {}) == pytest.approx(peak)
         curves[batch] = json.loads(run.verified_path("lr-range").read_text())
     assert curves[1024]["chosen"] == 0.18 and curves[1024]["ceiling"] == pytest.approx(0.8)
+    assert not curves[1024]["capped"] and curves[64]["capped"] and curves[128]["capped"]
     capped = curves[64]
-    sentence = _lr_sentence({"learning_rate": {"value": capped["chosen"], "curve": capped}})
-    assert sentence.endswith("(0.36) divided by 7.2, the most the batch size allows (twice "
-                             "Goyal et al.'s linear scaling rule).")
+    sentence = _lr_sentence({"learning_rate": {"value": capped["chosen"], "curve": capped,
+                                               "found_by": "range test"}})
+    assert sentence.endswith("(0.36) divided by 2 (0.18), held to 0.05, the most its batch size "
+                             "allows (twice Goyal et al.'s linear-scaling rule).")
+    given = _lr_sentence({"learning_rate": {"value": 0.05, "curve": capped, "found_by": "--lr"}})
+    assert "held to" not in given
 
 
 def test_resume_takes_the_runs_own_configuration_with_todays_quiet_and_device(tmp_path):
