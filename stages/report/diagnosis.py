@@ -54,14 +54,16 @@ def _contents_cause(row: dict, lost: str | None = None) -> str:
             "(quantize/dequantize steps, pooling, normalisation) or to per-call overhead")
 
 
+def _profiled_at(profiles: dict | None, size: str) -> bool:
+    return bool(profiles) and str(profiles["batch_size"]) == size
+
+
 def _lost(profiles: dict | None, name: str, size: str) -> str | None:
-    measured = profiles and str(profiles["batch_size"]) == size
-    return profile.largest_loss(profiles, name) if measured else None
+    return profile.largest_loss(profiles, name) if _profiled_at(profiles, size) else None
 
 
 def _measured_time(profiles: dict | None, name: str, size: str) -> str:
-    top = profile.top_operators(profiles, name) if profiles and str(
-        profiles["batch_size"]) == size else None
+    top = profile.top_operators(profiles, name) if _profiled_at(profiles, size) else None
     return f" Measured at batch {size}, its time goes to {top}." if top else ""
 
 
