@@ -64,9 +64,21 @@ def export_onnx(model, example, path: Path) -> None:
                                 f"{str(exc).strip().splitlines()[0][:300]}") from exc
         # The exporter writes weights to model.onnx.data; under 2 GB one file is easier to ship.
         proto = onnx.load(str(scratch_file), load_external_data=True)
+        _drop_weight_value_info(proto.graph)
         with atomic_path(path) as tmp:
             onnx.save_model(proto, str(tmp), save_as_external_data=False)
     check_onnx(path)
+
+
+def _drop_weight_value_info(graph) -> None:
+    """Remove the exporter's value_info entries for weights: an initializer carries its own
+    shape. onnxruntime 1.30's quantize_dynamic turns Gemm into MatMul by transposing the
+    weight and leaves such an entry behind, and ONNX's shape inference then refuses the model
+    ("Inferred shape and existing shape differ in dimension 0: (512) vs (10)")."""
+    weights = {initializer.name for initializer in graph.initializer}
+    kept = [info for info in graph.value_info if info.name not in weights]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
 
 
 def check_onnx(path: Path) -> None:
