@@ -41,7 +41,7 @@ def _torch_row(run, row: str, name: str) -> Loaded:
     model, context, how = serve(run, name, "cuda")
 
     def call_for(batch):
-        on_device = batch.to(device)
+        on_device = batch.to(device).contiguous(memory_format=torch.channels_last)
 
         def call():
             with torch.inference_mode(), context():

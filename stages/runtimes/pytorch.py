@@ -303,6 +303,8 @@ def serve(run, name: str, device: str = "cpu"):
                                        "pt2e" if how.graph else "float", lambda: how.load(run))
     else:
         model = how.load(run).to(device)
+        if device == "cuda":  # as training runs on a GPU, and cuDNN's tensor cores want NHWC
+            model = model.to(memory_format=torch.channels_last)
         if how.compiled:
             model = torch.compile(model, dynamic=False)
     return model, how.context(torch.device(device).type), how
