@@ -156,6 +156,20 @@ def _models_table(report: dict) -> list[str]:
     return lines
 
 
+def _memory_sentence(training: dict) -> str:
+    """How each model's peak memory was measured: one sentence when all were measured alike,
+    else one clause per model (an fp32 baseline copied from another run, say)."""
+    def how(method):
+        return (f"was {method}" if method.startswith("not measured") else f"is the {method}")
+
+    methods = {name: t.get("peak_memory_method") or "not measured"
+               for name, t in training.items()}
+    if len(set(methods.values())) == 1:
+        return f"Peak memory {how(next(iter(methods.values())))}"
+    return "Peak memory " + "; ".join(f"of `{name}` {how(method)}"
+                                      for name, method in methods.items())
+
+
 def _quantization(report: dict) -> list[str]:
     """What each variant really runs in int8, what stayed float and why, and parity."""
     lines = ["## Quantization", "", "| variant | int8 ops (counted in what runs) | kept in float "
@@ -166,6 +180,9 @@ def _quantization(report: dict) -> list[str]:
         keys = ("types", "per_channel", "calibration_method", "format", "preset", "equalize")
         options = info.get("options") or {k: info[k] for k in keys if k in info}
         kept = ", ".join(info.get("float_layers") or []) or "-"
+        if gates := info.get("float_excitation_multiplies"):
+            kept = (f"{len(gates)} squeeze-excitation multiplies (HardSigmoid gates: OpenVINO "
+                    "fuses no quantize step into them)" + (f"; {kept}" if kept != "-" else ""))
         if options.get("float_depthwise"):
             kept = f"every depthwise convolution ({DEPTHWISE_IN_FLOAT})" + (
                 f"; {kept}" if kept != "-" else "")
@@ -266,11 +283,8 @@ def _training(report: dict) -> list[str]:
                      f"{t['checkpoint_bytes'] / 1e6:.2f} | {t['model_bytes'] / 1e6:.2f} | "
                      f"{t.get('chosen') or '-'} | {t['test_accuracy']:.2%} | "
                      f"{t['skipped_steps']} |")
-    method = next(iter(training.values())).get("peak_memory_method") or "not measured"
     isa = {name: (t.get("isa") or {}) for name, t in training.items()}
-    memory = (f"Peak memory was {method}" if method.startswith("not measured")
-              else f"Peak memory is the {method}")
-    lines += ["", f"{memory}. Every later stage starts from model.pt, the "
+    lines += ["", f"{_memory_sentence(training)}. Every later stage starts from model.pt, the "
               "epoch with the best validation accuracy." + _lr_sentence(report)]
     for name, found in isa.items():
         if found:

@@ -305,6 +305,18 @@ def test_the_quantization_table_says_depthwise_convolutions_were_kept_in_float_a
     assert "| `torch-static` | Conv 2/5 int8 | - | per-channel |" in row
 
 
+def test_the_quantization_table_names_the_excitation_multiplies_openvino_int8_kept_float():
+    from stages.report.markdown import _quantization
+
+    report = {"parity": [], "models": [{
+        "name": "openvino-int8", "op_counts": {"Conv": {"int8": 5, "float": 0}},
+        "quantization": {"preset": "PERFORMANCE", "float_layers": ["node_conv2d_3"],
+                         "float_excitation_multiplies": ["node_mul_1", "node_mul_2"]}}]}
+    row = "\n".join(_quantization(report))
+    assert ("| `openvino-int8` | Conv 5/5 int8 | 2 squeeze-excitation multiplies (HardSigmoid "
+            "gates: OpenVINO fuses no quantize step into them); node_conv2d_3 |") in row
+
+
 def test_report_markdown_says_what_it_chose_on_and_what_it_measured(tiny_run):
     data = tiny_run["report"]
     markdown_text = (tiny_run["run"].root / "report" / "report.md").read_text()
@@ -553,3 +565,8 @@ def test_peak_memory_not_measured_is_said_so_and_not_printed_as_zero(tiny_run):
         lines)
     rows = [line for line in lines if line.startswith("| `")]
     assert rows and all(row.split(" | ")[6] == "-" for row in rows)
+    # Measured for one model and not the other: each says its own.
+    report["training"]["fp32"]["peak_memory_method"] = "peak RSS of its process"
+    mixed = "\n".join(_training(report))
+    assert ("Peak memory of `fp32` is the peak RSS of its process; of `amp` was not measured "
+            "(--no-measure-memory). Every later stage") in mixed

@@ -1,6 +1,9 @@
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -30,3 +33,43 @@ def test_a_signal_after_openvino_models_are_freed_reaches_its_handler(tiny_run):
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(run.artifacts_dir), run.name],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 7, (done.returncode, done.stderr[-2000:])
+
+
+class _Excitation(torch.nn.Module):
+    """A Hardswish (x * hardsigmoid(x) once exported), a HardSigmoid squeeze-excitation gate
+    and a Sigmoid one (efficientnet's), each multiplying the features."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 8, 3, padding=1)
+        self.hard_fc = torch.nn.Conv2d(8, 8, 1)
+        self.soft_fc = torch.nn.Conv2d(8, 8, 1)
+        self.out = torch.nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        x = torch.nn.functional.hardswish(self.conv(x))
+        x = x * torch.nn.functional.hardsigmoid(self.hard_fc(x.mean((2, 3), keepdim=True)))
+        x = x * torch.sigmoid(self.soft_fc(x.mean((2, 3), keepdim=True)))
+        return self.out(x).mean((2, 3))
+
+
+def test_hard_excitation_gates_stay_float_and_nothing_else_does(tmp_path):
+    import openvino as ov
+
+    from stages.runtimes import openvino as ov_runtime
+    from stages.runtimes.onnx_export import export_onnx
+
+    path = tmp_path / "se.onnx"
+    export_onnx(_Excitation().eval(), torch.randn(2, 1, 8, 8), path)
+    model = ov.convert_model(str(path))
+    gates = ov_runtime.hard_excitation_multiplies(model)
+    assert len(gates) == 1  # not the Hardswish's multiply, not the Sigmoid gate's
+    gate = next(op for op in model.get_ordered_ops() if op.get_friendly_name() == gates[0])
+    assert "HardSigmoid" in {gate.input_value(i).get_node().get_type_name() for i in range(2)}
+    # What quantize builds: the product's NNCF call, with no layers asked to stay float.
+    backend = ov_runtime._int8_backend(SimpleNamespace(threads=1), model,
+                                       [torch.randn(4, 1, 8, 8) for _ in range(4)])
+    quantized = backend.build({"preset": "PERFORMANCE"}, [])
+    fed = {op.input_value(0).get_node().get_type_name() for op in quantized.get_ordered_ops()
+           if op.get_type_name() == "FakeQuantize"}
+    assert "HardSigmoid" not in fed and "Sigmoid" in fed
