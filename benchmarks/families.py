@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--modes", default="default,auto",
                         help="quantize with the defaults, with --auto, or both (default)")
     args = parser.parse_args()
-    modes = args.modes.split(",")
+    modes = list(dict.fromkeys(args.modes.split(",")))  # each mode once, in the order given
     if not modes or set(modes) - {"default", "auto"}:
         parser.error(f"--modes takes default, auto or both, not {args.modes!r}")
     started = time.monotonic()
