@@ -129,7 +129,7 @@ def hard_excitation_multiplies(model) -> list[str]:
     runs HardSigmoid with its reference kernel and fuses no FakeQuantize into it, so a quantized
     gate pays for a FakeQuantize of its own: in mobilenet_v3_large's openvino-int8 the eight
     took 4.2 of 7.5 ms a call by the perf counters (batch 32), more than every convolution.
-    Left float, the report's call went from 3.41 to 1.71 ms, 1.20x to 1.90x the fastest float.
+    Left float, openvino-int8 went from 1.20x to 1.51-1.90x the fastest float in five reports.
     efficientnet's Sigmoid gates fuse theirs: left float, they cost 0.3 ms of FakeQuantize
     elsewhere, so they stay int8 (docs/measurements.md)."""
     names = []
