@@ -17,6 +17,14 @@ DEPTHWISE_IN_FLOAT = ("without VNNI, oneDNN runs int8 depthwise convolutions thr
                       "uxlfoundation/oneDNN#1043")
 
 
+# ONEDNN_VERBOSE on the VNNI EPYC, batch 32: oneDNN's int8 kernels of mnasnet0_5's torch-static
+# took 0.65 ms a call of the 1.43 ms its qconv ops took by torch.profiler, mobilenet_v2's 1.31 of
+# a 2.27 ms call; all were oneDNN's VNNI kernels (brgconv, brdgmm_dw), none a reference one.
+QCONV_OVERHEAD = ("PyTorch's quantized convolution op adds per-call work around each oneDNN int8 "
+                  "kernel, on small layers as much as the kernel itself (upstream: "
+                  "pytorch/pytorch#123240; docs/design.md)")
+
+
 def diagnose_slow(row: dict, vnni: bool = True, lost: str | None = None) -> str:
     """Why an int8 variant is slow, read from what it contains rather than from its name, and
     from ``lost`` (profile.largest_loss: where the profiles found it losing the most time);
@@ -49,7 +57,10 @@ def _contents_cause(row: dict, lost: str | None = None) -> str:
         return (f"{parts} layers still run in float{why}, so it pays for quantizing and "
                 "dequantizing around them")
     if lost:  # measured: on mnasnet0_5 (VNNI) the int8 convolutions themselves were slower
-        return f"every Conv/Linear layer runs in int8, yet it loses the most time in {lost}"
+        cause = f"every Conv/Linear layer runs in int8, yet it loses the most time in {lost}"
+        if lost.startswith("convolution") and row.get("serving", "").startswith("PT2E"):
+            cause += f"; {QCONV_OVERHEAD}"
+        return cause
     return ("every Conv/Linear layer runs in int8, so the time goes to what is not int8 "
             "(quantize/dequantize steps, pooling, normalisation) or to per-call overhead")
 

@@ -276,6 +276,12 @@ def test_a_slow_fully_int8_variant_is_explained_by_its_profile_not_a_guess():
             "1.36 ms a call against 0.91 ms in onnx-fp32. Measured at batch 32, its time goes "
             "to qconv_pointwise_tensor 1.11 ms (100%).") in warning
     assert "per-call overhead" not in warning
+    assert "pytorch/pytorch#123240" not in warning  # not said of a variant not run by PyTorch
+    rows[1]["serving"] = "PT2E int8, torch.compile (Inductor)"
+    [warning] = diagnosis.warnings_for(rows, "onnx-fp32", 1.0, training={}, profiles=profiles)
+    assert ("0.91 ms in onnx-fp32; PyTorch's quantized convolution op adds per-call work around "
+            "each oneDNN int8 kernel, on small layers as much as the kernel itself (upstream: "
+            "pytorch/pytorch#123240; docs/design.md).") in warning
     # Where the int8 variant loses nowhere, or was profiled at another batch, the guess stays.
     kinds[0]["ms"] = 0.5
     assert profile.largest_loss(profiles, "torch-static") == (
