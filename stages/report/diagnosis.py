@@ -17,12 +17,12 @@ DEPTHWISE_IN_FLOAT = ("without VNNI, oneDNN runs int8 depthwise convolutions thr
                       "uxlfoundation/oneDNN#1043")
 
 
-# ONEDNN_VERBOSE on the VNNI EPYC, batch 32: oneDNN's int8 kernels of mnasnet0_5's torch-static
-# took 0.65 ms a call of the 1.43 ms its qconv ops took by torch.profiler, mobilenet_v2's 1.31 of
-# a 2.27 ms call; all were oneDNN's VNNI kernels (brgconv, brdgmm_dw), none a reference one.
+# ONEDNN_VERBOSE on the VNNI EPYC, batch 32 (docs/measurements.md): oneDNN's int8 kernels of
+# mnasnet0_5's torch-static took 0.65 ms a call, its qconv ops 1.43 ms by torch.profiler; all
+# were oneDNN's VNNI kernels (brgconv, brdgmm_dw), none a reference one.
 QCONV_OVERHEAD = ("PyTorch's quantized convolution op adds per-call work around each oneDNN int8 "
-                  "kernel, on small layers as much as the kernel itself (upstream: "
-                  "pytorch/pytorch#123240; docs/design.md)")
+                  "kernel, on small layers as much as the kernel itself (upstream: PyTorch cut "
+                  "part of it in pytorch/pytorch#123240; docs/design.md)")
 
 
 def diagnose_slow(row: dict, vnni: bool = True, lost: str | None = None) -> str:

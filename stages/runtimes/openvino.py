@@ -127,9 +127,10 @@ def hard_excitation_multiplies(model) -> list[str]:
     """Names of the squeeze-excitation multiplies gated by a HardSigmoid: x times
     HardSigmoid(f(x)) (mobilenet_v3), which openvino-int8 leaves float. OpenVINO's CPU plugin
     runs HardSigmoid with its reference kernel and fuses no FakeQuantize into it, so a quantized
-    gate pays for a FakeQuantize of its own: in mobilenet_v3_large's openvino-int8 the eight
-    took 4.2 of 7.5 ms a call by the perf counters (batch 32), more than every convolution.
-    Left float, openvino-int8 went from 1.20x to 1.51-1.90x the fastest float in five reports.
+    gate pays for a FakeQuantize of its own: in mobilenet_v3_large's openvino-int8 (batch 32,
+    7.45 ms a call by the perf counters) FakeQuantize took 4.25 ms, nearly all of it after the
+    eight gates, against 1.84 ms for the 1x1 convolutions. Left float, openvino-int8 went from
+    1.20x to 1.48-1.90x the fastest float in six reports.
     efficientnet's Sigmoid gates fuse theirs: left float, they cost 0.3 ms of FakeQuantize
     elsewhere, so they stay int8 (docs/measurements.md)."""
     names = []

@@ -281,7 +281,7 @@ def test_a_slow_fully_int8_variant_is_explained_by_its_profile_not_a_guess():
     [warning] = diagnosis.warnings_for(rows, "onnx-fp32", 1.0, training={}, profiles=profiles)
     assert ("0.91 ms in onnx-fp32; PyTorch's quantized convolution op adds per-call work around "
             "each oneDNN int8 kernel, on small layers as much as the kernel itself (upstream: "
-            "pytorch/pytorch#123240; docs/design.md).") in warning
+            "PyTorch cut part of it in pytorch/pytorch#123240; docs/design.md).") in warning
     # Where the int8 variant loses nowhere, or was profiled at another batch, the guess stays.
     kinds[0]["ms"] = 0.5
     assert profile.largest_loss(profiles, "torch-static") == (

@@ -36,8 +36,9 @@ def test_a_signal_after_openvino_models_are_freed_reaches_its_handler(tiny_run):
 
 
 class _Excitation(torch.nn.Module):
-    """A Hardswish (x * hardsigmoid(x) once exported), a HardSigmoid squeeze-excitation gate
-    and a Sigmoid one (efficientnet's), each multiplying the features."""
+    """x * hardsigmoid(x) written out (a Hardswish by hand: the exporter writes
+    F.hardswish as one HardSwish op), a HardSigmoid squeeze-excitation gate and a Sigmoid one
+    (efficientnet's), each multiplying the features."""
 
     def __init__(self):
         super().__init__()
@@ -47,7 +48,8 @@ class _Excitation(torch.nn.Module):
         self.out = torch.nn.Conv2d(8, 4, 1)
 
     def forward(self, x):
-        x = torch.nn.functional.hardswish(self.conv(x))
+        x = self.conv(x)
+        x = x * torch.nn.functional.hardsigmoid(x)
         x = x * torch.nn.functional.hardsigmoid(self.hard_fc(x.mean((2, 3), keepdim=True)))
         x = x * torch.sigmoid(self.soft_fc(x.mean((2, 3), keepdim=True)))
         return self.out(x).mean((2, 3))
@@ -63,7 +65,7 @@ def test_hard_excitation_gates_stay_float_and_nothing_else_does(tmp_path):
     export_onnx(_Excitation().eval(), torch.randn(2, 1, 8, 8), path)
     model = ov.convert_model(str(path))
     gates = ov_runtime.hard_excitation_multiplies(model)
-    assert len(gates) == 1  # not the Hardswish's multiply, not the Sigmoid gate's
+    assert len(gates) == 1  # not x * hardsigmoid(x), not the Sigmoid gate's
     gate = next(op for op in model.get_ordered_ops() if op.get_friendly_name() == gates[0])
     assert "HardSigmoid" in {gate.input_value(i).get_node().get_type_name() for i in range(2)}
     # What quantize builds: the product's NNCF call, with no layers asked to stay float.
