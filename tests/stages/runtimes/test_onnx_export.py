@@ -18,4 +18,10 @@ def test_a_weight_rewritten_in_place_passes_shape_inference(tmp_path):
     weight = next(i for i in proto.graph.initializer if i.name == gemm.input[1])
     weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight).T.copy(), weight.name))
     gemm.CopyFrom(helper.make_node("Gemm", list(gemm.input), list(gemm.output), name=gemm.name))
-    onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
+    # Without the fix, strict inference raises on the weight's stale entry: (3, 12) vs (12, 3).
+    inferred = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
+    weight_shapes = {info.name: [d.dim_value for d in info.type.tensor_type.shape.dim]
+                     for info in inferred.graph.value_info if info.name == weight.name}
+    assert weight_shapes in ({}, {weight.name: [12, 3]})
+    logits = inferred.graph.output[0].type.tensor_type.shape.dim
+    assert logits[-1].dim_value == 3
