@@ -146,6 +146,27 @@ def hard_excitation_multiplies(model) -> list[str]:
     return names
 
 
+def unquantize_hard_gates(model) -> int:
+    """Bypass, in place, the FakeQuantize ops that quantize a HardSigmoid's output for
+    multiplies only (the squeeze-excitation gates of a QDQ model OpenVINO read: openvino-qat),
+    for the reason `hard_excitation_multiplies` gives: in mobilenet_v3_large's openvino-qat three
+    such ops took 0.93 of 3.83 ms a call at batch 32. The gate lies in [0, 1], so the float
+    value differs from the quantized one by at most half a step. Returns how many."""
+    bypassed = 0
+    for op in model.get_ordered_ops():
+        if op.get_type_name() != "FakeQuantize":
+            continue
+        gate = op.input_value(0)
+        users = op.output(0).get_target_inputs()
+        if gate.get_node().get_type_name() == "HardSigmoid" and users and \
+                all(user.get_node().get_type_name() == "Multiply" for user in users):
+            op.output(0).replace(gate)
+            bypassed += 1
+    if bypassed:
+        model.validate_nodes_and_infer_types()
+    return bypassed
+
+
 def weight_sizes(model) -> list[int]:
     """Elements of each Conv/MatMul op's weight (its second input), in layer_names' order."""
     import math

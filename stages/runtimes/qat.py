@@ -105,7 +105,8 @@ def make_ort_qat(ctx, tuned: FineTuned) -> dict | None:
 def make_openvino_qat(ctx, tuned: FineTuned) -> dict | None:
     """ort-qat's QDQ model (the fine-tuned ranges, as ONNX Runtime runs them) converted to
     OpenVINO IR, whose low-precision passes turn each quantize/dequantize pair into int8
-    kernels; kept where it agrees with torch-qat. The fine-tuning is the one torch-qat and
+    kernels, with its HardSigmoid gates left float as openvino-int8's are; kept where it agrees
+    with torch-qat. The fine-tuning is the one torch-qat and
     ort-qat come from, not a second one with NNCF's own QAT (docs/design.md). None where not
     made."""
     if "ort-qat" not in ctx.run.artifacts():
@@ -122,6 +123,7 @@ def make_openvino_qat(ctx, tuned: FineTuned) -> dict | None:
         ctx.say(f"qat: openvino-qat not made: OpenVINO cannot read ort-qat: "
                 f"{str(exc).strip().splitlines()[0][:200]}")
         return None
+    openvino.unquantize_hard_gates(model)  # as openvino-int8 leaves them
     xml = ctx.folder / "openvino-qat.xml"
     weights = openvino.save_ir(model, xml, ctx.scratch)
     compiled = openvino.compile_model(openvino.core().read_model(str(xml)), threads=1)
@@ -141,6 +143,7 @@ def make_openvino_qat(ctx, tuned: FineTuned) -> dict | None:
         ctx.say(f"qat: openvino-qat not kept: {why}")
         return None
     info = {"converter": "openvino.convert_model of ort-qat", "precision_hint": "f32",
+            "float_excitation_multiplies": openvino.hard_excitation_multiplies(model),
             "parity_vs_torch_qat": parity}
     ctx.register("openvino-qat", xml, info, fmt="openvino", companions=(weights,),
                  op_counts=op_counts)

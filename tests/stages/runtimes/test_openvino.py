@@ -75,3 +75,35 @@ def test_hard_excitation_gates_stay_float_and_nothing_else_does(tmp_path):
     fed = {op.input_value(0).get_node().get_type_name() for op in quantized.get_ordered_ops()
            if op.get_type_name() == "FakeQuantize"}
     assert "HardSigmoid" not in fed and "Sigmoid" in fed
+
+
+def test_hard_gate_quantizers_of_a_quantized_model_are_bypassed_and_nothing_else(tmp_path):
+    """openvino-qat's step: a model whose HardSigmoid gates were quantized (here by NNCF with
+    nothing ignored, as a QAT graph quantizes them) loses those FakeQuantize ops, keeps the
+    Sigmoid gate's, and computes nearly what it did."""
+    import nncf
+    import openvino as ov
+
+    from stages.runtimes import openvino as ov_runtime
+    from stages.runtimes.onnx_export import export_onnx
+
+    torch.manual_seed(0)
+    path = tmp_path / "se.onnx"
+    export_onnx(_Excitation().eval(), torch.randn(2, 1, 8, 8), path)
+    images = torch.randn(16, 1, 8, 8)
+    quantized = nncf.quantize(ov.convert_model(str(path)),
+                              nncf.Dataset([images[i:i + 4].numpy() for i in range(0, 16, 4)]))
+
+    def fed():
+        return [op.input_value(0).get_node().get_type_name()
+                for op in quantized.get_ordered_ops() if op.get_type_name() == "FakeQuantize"]
+
+    before = fed()
+    assert "HardSigmoid" in before  # what the step is for
+    logits = ov_runtime.runner(ov_runtime.compile_model(quantized, 1))[0](images)
+    assert ov_runtime.unquantize_hard_gates(quantized) == before.count("HardSigmoid")
+    after = fed()
+    assert "HardSigmoid" not in after and "Sigmoid" in after
+    assert len(after) == len(before) - before.count("HardSigmoid")
+    unquantized = ov_runtime.runner(ov_runtime.compile_model(quantized, 1))[0](images)
+    assert (unquantized - logits).abs().max() < 0.05 * logits.abs().max()
