@@ -17,6 +17,17 @@ DEPTHWISE_IN_FLOAT = ("without VNNI, oneDNN runs int8 depthwise convolutions thr
                       "uxlfoundation/oneDNN#1043")
 
 
+def depthwise_in_float_why(quantization: dict) -> str:
+    """Why a PT2E variant's depthwise convolutions run in float: timed so by --auto, which
+    tries them in int8 too (it chose float on mobilenet_v3_large on the VNNI EPYC), or the
+    default of a CPU without VNNI."""
+    tried = (quantization.get("tuning") or {}).get("tried") or []
+    if any(not t["options"].get("float_depthwise") for t in tried if t.get("options")):
+        return ("--auto timed them faster in float than in int8 on the CPU that quantized; "
+                "the configurations tried are below")
+    return DEPTHWISE_IN_FLOAT
+
+
 # ONEDNN_VERBOSE on the VNNI EPYC, batch 32 (docs/measurements.md): oneDNN's int8 kernels of
 # mnasnet0_5's torch-static took 0.65 ms a call, its qconv ops 1.43 ms by torch.profiler; all
 # were oneDNN's VNNI kernels (brgconv, brdgmm_dw), none a reference one.
@@ -52,7 +63,7 @@ def _contents_cause(row: dict, lost: str | None = None) -> str:
                 "float as in the float model; static int8 quantizes them")
     if float_left:
         parts = ", ".join(f"{n} of {total[k]} {k}" for k, n in float_left.items())
-        why = (f" (its depthwise convolutions among them: {DEPTHWISE_IN_FLOAT})"
+        why = (f" (its depthwise convolutions among them: {depthwise_in_float_why(quantization)})"
                if (quantization.get("options") or {}).get("float_depthwise") else "")
         return (f"{parts} layers still run in float{why}, so it pays for quantizing and "
                 "dequantizing around them")

@@ -7,7 +7,7 @@ from stages import runtimes
 from stages.measure import contention
 from stages.quantization import tuning
 from stages.report import profile
-from stages.report.diagnosis import DEPTHWISE_IN_FLOAT
+from stages.report.diagnosis import depthwise_in_float_why
 from stages.report.judging import BASELINE_WORDS, SELECTION_WORDS, VALIDATION_WORDS
 from stages.run.artifacts import Run
 from stages.run.errors import UsageError
@@ -184,7 +184,7 @@ def _quantization(report: dict) -> list[str]:
             kept = (f"{len(gates)} squeeze-excitation multiplies (HardSigmoid gates: OpenVINO "
                     "fuses no quantize step into them)" + (f"; {kept}" if kept != "-" else ""))
         if options.get("float_depthwise"):
-            kept = f"every depthwise convolution ({DEPTHWISE_IN_FLOAT})" + (
+            kept = f"every depthwise convolution ({depthwise_in_float_why(info)})" + (
                 f"; {kept}" if kept != "-" else "")
         lines.append(f"| `{r['name']}` | {runtimes.summarize_ops(r['op_counts'])} | {kept} | "
                      f"{tuning.label(options) if options else '-'} | {record.get('why', '-')} |")

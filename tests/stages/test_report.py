@@ -296,10 +296,13 @@ def test_a_slow_fully_int8_variant_is_explained_by_its_profile_not_a_guess():
 def test_the_quantization_table_says_depthwise_convolutions_were_kept_in_float_and_why():
     from stages.report.markdown import _quantization
 
-    def table(options, float_layers):
+    def table(options, float_layers, tried=()):
         report = {"parity": [], "models": [{
             "name": "torch-static", "op_counts": {"Conv": {"int8": 2, "float": 3}},
-            "quantization": {"options": options, "float_layers": float_layers}}]}
+            "quantization": {"options": options, "float_layers": float_layers,
+                             "tuning": {"images": 512, "tried": [
+                                 {"options": o, "label": "x", "drop_points": 0.1,
+                                  "latency_ms_p50": 1.0} for o in tried]}}}]}
         return "\n".join(_quantization(report))
 
     row = table({"per_channel": True, "weight_bits": 7, "float_depthwise": True}, ["fc"])
@@ -309,6 +312,12 @@ def test_the_quantization_table_says_depthwise_convolutions_were_kept_in_float_a
             in row)
     row = table({"per_channel": True, "weight_bits": 8, "float_depthwise": False}, [])
     assert "| `torch-static` | Conv 2/5 int8 | - | per-channel |" in row
+    # Chosen by --auto over the same configuration with them in int8 (on a VNNI CPU too): timed.
+    chosen = {"per_channel": True, "weight_bits": 8, "float_depthwise": True}
+    row = table(chosen, [], tried=[chosen | {"float_depthwise": False}, chosen])
+    assert "every depthwise convolution (--auto timed them faster in float" in row
+    assert "without VNNI" not in row
+    assert "without VNNI" in table(chosen, [], tried=[chosen])
 
 
 def test_the_quantization_table_names_the_excitation_multiplies_openvino_int8_kept_float():
