@@ -6,12 +6,14 @@
 The run must have been through `pipeline qat`. This fine-tunes the run's float model the way
 NNCF documents for PyTorch (nncf.quantize on the module, a plain training loop, then
 openvino.convert_model), with what the run's qat stage had: its epochs, learning rate, SGD with
-momentum 0.9, weight decay 5e-4 on kernels alone, a cosine schedule, fp32, and the epoch chosen on
-the same half of the validation split. Then it prints, for that model (`nncf-qat`) and the run's
-`openvino-qat`, `openvino-int8` and `openvino-fp32`: the convolutions OpenVINO runs in int8, test
-accuracy, accuracy on the other validation half, and p50 latency at batch 32 (2 threads, the
-four timed in turn in each round). `nncf-qat`'s HardSigmoid gates are left float as the product's
-are. The measurement behind docs/design.md's choice of the QDQ path for `openvino-qat`.
+momentum 0.9, weight decay 5e-4 on kernels alone, its batch size, fp32, and the epoch chosen on
+the same half of the validation split; its cosine spans the epochs run (the stage's spans the
+epochs asked and is cut by --tuning-time), with no BatchNorm or observer freezes. Then it
+prints, for that model (`nncf-qat`) and the run's `openvino-qat`, `openvino-int8` and
+`openvino-fp32`: the convolutions OpenVINO runs in int8, test accuracy, accuracy on the other
+validation half, and p50 latency at batch 32 (2 threads, the four timed in turn in each round).
+`nncf-qat`'s HardSigmoid gates are left float as the product's are. The measurement behind
+docs/design.md's choice of the QDQ path for `openvino-qat`.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from stages.training.loop import CosineSchedule, decay_groups
 COMPARED = ("openvino-qat", "openvino-int8", "openvino-fp32")
 
 
-def nncf_fine_tuned(run, splits, epochs: int, lr: float):
+def nncf_fine_tuned(run, splits, epochs: int, lr: float, batch_size: int):
     """The run's float model quantized by nncf.quantize (300 training images) and fine-tuned;
     the epoch best on the validation half qat chooses on, as an OpenVINO model."""
     import nncf
@@ -51,7 +53,7 @@ def nncf_fine_tuned(run, splits, epochs: int, lr: float):
         model = nncf.quantize(model, nncf.Dataset(calibration_batches(splits, 300, 64, 0)))
     choosing = torch.utils.data.Subset(splits.val, validation_halves(len(splits.val))[0])
     sampler = EpochSampler(len(splits.train), 0)
-    loader = make_loader(splits.train, 64, sampler)
+    loader = make_loader(splits.train, batch_size, sampler)
     optimizer = torch.optim.SGD(decay_groups(model, 5e-4), lr=lr, momentum=0.9)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer,
                                                  CosineSchedule(epochs * len(loader), 0))
@@ -76,7 +78,7 @@ def nncf_fine_tuned(run, splits, epochs: int, lr: float):
     converted = openvino._openvino().convert_model(
         model, example_input=torch.randn(1, *splits.train[0][0].shape))
     bypassed = openvino.unquantize_hard_gates(converted)
-    print(f"nncf-qat: epoch {best[2]} kept; {bypassed} HardSigmoid gate quantizers bypassed")
+    print(f"nncf-qat: epoch {best[2]} kept; {len(bypassed)} HardSigmoid gates made float")
     return converted
 
 
@@ -91,7 +93,10 @@ def main() -> None:
     run = open_run(args.artifacts_dir, args.run)
     splits = splits_of_run(run)
     qat = run.entry("torch-qat")["quantization"]
-    models = {"nncf-qat": nncf_fine_tuned(run, splits, args.epochs or qat["epochs"], qat["lr"])}
+    if args.epochs is not None and args.epochs < 1:
+        parser.error("--epochs must be at least 1")
+    models = {"nncf-qat": nncf_fine_tuned(run, splits, args.epochs or qat["epochs"], qat["lr"],
+                                          run.recorded_config("qat").get("batch_size", 64))}
     core = openvino.core()
     models |= {name: core.read_model(str(run.verified_path(name))) for name in COMPARED}
     judging = torch.utils.data.Subset(splits.val, validation_halves(len(splits.val))[1])

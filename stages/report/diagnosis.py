@@ -18,14 +18,22 @@ DEPTHWISE_IN_FLOAT = ("without VNNI, oneDNN runs int8 depthwise convolutions thr
 
 
 def depthwise_in_float_why(quantization: dict) -> str:
-    """Why a PT2E variant's depthwise convolutions run in float: timed so by --auto, which
-    tries them in int8 too (it chose float on mobilenet_v3_large on the VNNI EPYC), or the
-    default of a CPU without VNNI."""
-    tried = (quantization.get("tuning") or {}).get("tried") or []
-    if any(not t["options"].get("float_depthwise") for t in tried if t.get("options")):
-        return ("--auto timed them faster in float than in int8 on the CPU that quantized; "
-                "the configurations tried are below")
-    return DEPTHWISE_IN_FLOAT
+    """Why a PT2E variant's depthwise convolutions run in float: where --auto also tried the
+    chosen configuration with them in int8, what that trial showed (slower, or over the
+    accuracy budget); otherwise the default of a CPU without VNNI."""
+    record = quantization.get("tuning") or {}
+    chosen = (record.get("chosen") or {}).get("options")
+    twin = chosen and next((t for t in record.get("tried") or []
+                            if t.get("options") == chosen | {"float_depthwise": False}), None)
+    if not twin:
+        return DEPTHWISE_IN_FLOAT
+    worst, budget = twin.get("worst_drop_points", twin["drop_points"]), record["budget_points"]
+    if worst > budget:
+        return (f"--auto kept them float: in int8 the same configuration may lose {worst:.2f} "
+                f"points at worst, over the {budget:g}-point budget")
+    # Both were timed: tune times every trial where it tried more than one.
+    return (f"--auto timed them faster in float: {record['chosen']['latency_ms_p50']:.2f} "
+            f"against {twin['latency_ms_p50']:.2f} ms with them in int8")
 
 
 # ONEDNN_VERBOSE on the VNNI EPYC, batch 32 (docs/measurements.md): oneDNN's int8 kernels of

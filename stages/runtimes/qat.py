@@ -123,7 +123,7 @@ def make_openvino_qat(ctx, tuned: FineTuned) -> dict | None:
         ctx.say(f"qat: openvino-qat not made: OpenVINO cannot read ort-qat: "
                 f"{str(exc).strip().splitlines()[0][:200]}")
         return None
-    openvino.unquantize_hard_gates(model)  # as openvino-int8 leaves them
+    float_gates = openvino.unquantize_hard_gates(model)  # as openvino-int8 leaves them
     xml = ctx.folder / "openvino-qat.xml"
     weights = openvino.save_ir(model, xml, ctx.scratch)
     compiled = openvino.compile_model(openvino.core().read_model(str(xml)), threads=1)
@@ -143,7 +143,7 @@ def make_openvino_qat(ctx, tuned: FineTuned) -> dict | None:
         ctx.say(f"qat: openvino-qat not kept: {why}")
         return None
     info = {"converter": "openvino.convert_model of ort-qat", "precision_hint": "f32",
-            "float_excitation_multiplies": openvino.hard_excitation_multiplies(model),
+            "float_excitation_multiplies": float_gates,
             "parity_vs_torch_qat": parity}
     ctx.register("openvino-qat", xml, info, fmt="openvino", companions=(weights,),
                  op_counts=op_counts)

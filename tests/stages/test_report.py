@@ -297,12 +297,13 @@ def test_the_quantization_table_says_depthwise_convolutions_were_kept_in_float_a
     from stages.report.markdown import _quantization
 
     def table(options, float_layers, tried=()):
+        trials = [{"options": o, "label": "x", "drop_points": 0.1, "worst_drop_points": worst,
+                   "latency_ms_p50": ms} for o, worst, ms in tried]
         report = {"parity": [], "models": [{
             "name": "torch-static", "op_counts": {"Conv": {"int8": 2, "float": 3}},
-            "quantization": {"options": options, "float_layers": float_layers,
-                             "tuning": {"images": 512, "tried": [
-                                 {"options": o, "label": "x", "drop_points": 0.1,
-                                  "latency_ms_p50": 1.0} for o in tried]}}}]}
+            "quantization": {"options": options, "float_layers": float_layers, "tuning": {
+                "images": 512, "budget_points": 1.0, "tried": trials,
+                "chosen": next((t for t in trials if t["options"] == options), None)}}}]}
         return "\n".join(_quantization(report))
 
     row = table({"per_channel": True, "weight_bits": 7, "float_depthwise": True}, ["fc"])
@@ -312,12 +313,17 @@ def test_the_quantization_table_says_depthwise_convolutions_were_kept_in_float_a
             in row)
     row = table({"per_channel": True, "weight_bits": 8, "float_depthwise": False}, [])
     assert "| `torch-static` | Conv 2/5 int8 | - | per-channel |" in row
-    # Chosen by --auto over the same configuration with them in int8 (on a VNNI CPU too): timed.
+    # Chosen by --auto over the same configuration with them in int8 (on a VNNI CPU too): the
+    # trial says whether int8 was slower or over the budget.
     chosen = {"per_channel": True, "weight_bits": 8, "float_depthwise": True}
-    row = table(chosen, [], tried=[chosen | {"float_depthwise": False}, chosen])
-    assert "every depthwise convolution (--auto timed them faster in float" in row
-    assert "without VNNI" not in row
-    assert "without VNNI" in table(chosen, [], tried=[chosen])
+    int8 = chosen | {"float_depthwise": False}
+    row = table(chosen, [], tried=[(int8, 0.3, 3.23), (chosen, 0.2, 3.06)])
+    assert ("every depthwise convolution (--auto timed them faster in float: 3.06 against "
+            "3.23 ms with them in int8)") in row
+    row = table(chosen, [], tried=[(int8, 1.4, 2.90), (chosen, 0.2, 3.06)])
+    assert ("every depthwise convolution (--auto kept them float: in int8 the same "
+            "configuration may lose 1.40 points at worst, over the 1-point budget)") in row
+    assert "without VNNI" in table(chosen, [], tried=[(chosen, 0.2, 3.06)])
 
 
 def test_the_quantization_table_names_the_excitation_multiplies_openvino_int8_kept_float():
