@@ -106,9 +106,8 @@ def make_openvino_qat(ctx, tuned: FineTuned) -> dict | None:
     """ort-qat's QDQ model (the fine-tuned ranges, as ONNX Runtime runs them) converted to
     OpenVINO IR, whose low-precision passes turn each quantize/dequantize pair into int8
     kernels, with its HardSigmoid gates left float as openvino-int8's are; kept where it agrees
-    with torch-qat. The fine-tuning is the one torch-qat and
-    ort-qat come from, not a second one with NNCF's own QAT (docs/design.md). None where not
-    made."""
+    with torch-qat. The fine-tuning is the one torch-qat and ort-qat come from, not a second one
+    with NNCF's own QAT, which measured no better (docs/design.md). None where not made."""
     if "ort-qat" not in ctx.run.artifacts():
         ctx.say("qat: openvino-qat not made: it is read from ort-qat, which was not kept")
         return None
