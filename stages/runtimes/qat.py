@@ -105,8 +105,8 @@ def make_ort_qat(ctx, tuned: FineTuned) -> dict | None:
 def make_openvino_qat(ctx, tuned: FineTuned) -> dict | None:
     """ort-qat's QDQ model (the fine-tuned ranges, as ONNX Runtime runs them) converted to
     OpenVINO IR, whose low-precision passes turn each quantize/dequantize pair into int8
-    kernels, with its HardSigmoid gates left float as openvino-int8's are; kept where it agrees
-    with torch-qat. The fine-tuning is the one torch-qat and ort-qat come from, not a second one
+    kernels, without the Sigmoid pairs added for ONNX Runtime and with its HardSigmoid gates
+    left float as openvino-int8's are; kept where it agrees with torch-qat. The fine-tuning is the one torch-qat and ort-qat come from, not a second one
     with NNCF's own QAT, which measured no better (docs/design.md). None where not made."""
     if "ort-qat" not in ctx.run.artifacts():
         ctx.say("qat: openvino-qat not made: it is read from ort-qat, which was not kept")
@@ -116,8 +116,9 @@ def make_openvino_qat(ctx, tuned: FineTuned) -> dict | None:
     except PipelineError as exc:
         ctx.say(f"qat: openvino-qat not made: {exc}")
         return None
+    read, sigmoid_pairs = _ort_qat_for_openvino(ctx)
     try:
-        model = ov.convert_model(str(ctx.run.verified_path("ort-qat")))
+        model = ov.convert_model(str(read))
     except Exception as exc:  # OpenVINO's converter raises its own types
         ctx.say(f"qat: openvino-qat not made: OpenVINO cannot read ort-qat: "
                 f"{str(exc).strip().splitlines()[0][:200]}")
@@ -142,8 +143,24 @@ def make_openvino_qat(ctx, tuned: FineTuned) -> dict | None:
         ctx.say(f"qat: openvino-qat not kept: {why}")
         return None
     info = {"converter": "openvino.convert_model of ort-qat", "precision_hint": "f32",
-            "float_excitation_multiplies": float_gates,
+            "sigmoid_pairs_left_out": sigmoid_pairs, "float_excitation_multiplies": float_gates,
             "parity_vs_torch_qat": parity}
     ctx.register("openvino-qat", xml, info, fmt="openvino", companions=(weights,),
                  op_counts=op_counts)
     return info
+
+
+def _ort_qat_for_openvino(ctx) -> tuple[object, int]:
+    """The file openvino-qat converts: ort-qat, or where its Sigmoids were given QDQ pairs for
+    ONNX Runtime, a copy without them in the scratch folder (qdq_onnx.without_sigmoid_pairs);
+    and how many pairs it left out."""
+    import onnx
+
+    path = ctx.run.verified_path("ort-qat")
+    model = onnx.load(str(path))
+    left_out = qdq_onnx.without_sigmoid_pairs(model)
+    if not left_out:
+        return path, 0
+    copy = ctx.scratch / "ort-qat-for-openvino.onnx"
+    onnx.save_model(model, str(copy))
+    return copy, left_out

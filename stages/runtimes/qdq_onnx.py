@@ -20,6 +20,8 @@ from stages.runtimes.onnxruntime import ort_predict, ort_session
 
 # Training images that observe the range of each conv output given a QDQ pair of its own.
 RESIDUAL_CALIBRATION_IMAGES = 256
+# The initializers of the pairs quantize_sigmoid_outputs adds, by which openvino-qat finds them.
+SIGMOID_SCALE, SIGMOID_ZERO_POINT = "sigmoid_output_scale", "sigmoid_output_zero_point"
 INT32_MAX = 2**31 - 1
 
 
@@ -31,7 +33,8 @@ def complete_for_onnx_runtime(path: Path, batches) -> dict:
     model = onnx.load(str(path))
     done = {"conv_outputs_quantized_before_adds":
             quantize_conv_outputs_into_adds(model, path.parent, batches),
-            "linear_biases_quantized": quantize_linear_biases(model)}
+            "linear_biases_quantized": quantize_linear_biases(model),
+            "sigmoid_outputs_quantized": quantize_sigmoid_outputs(model)}
     if any(done.values()):
         with atomic_path(path) as tmp:
             onnx.save_model(model, str(tmp))
@@ -79,28 +82,103 @@ def quantize_conv_outputs_into_adds(model, scratch_dir: Path, batches) -> int:
             for name, value in zip(outputs, values, strict=True):
                 low[name] = min(low[name], float(value.min()))
                 high[name] = max(high[name], float(value.max()))
-    pairs = {}
     for name in outputs:
         scale = max(high[name] - low[name], 1e-8) / 255.0
         zero_point = int(np.clip(round(-low[name] / scale), 0, 255))
         model.graph.initializer.extend([
             numpy_helper.from_array(np.array(scale, dtype=np.float32), f"{name}_scale"),
             numpy_helper.from_array(np.array(zero_point, dtype=np.uint8), f"{name}_zero_point")])
-        pairs[name] = [
-            helper.make_node("QuantizeLinear", [name, f"{name}_scale", f"{name}_zero_point"],
-                             [f"{name}_quantized"], name=f"{name}_quantize"),
-            helper.make_node("DequantizeLinear", [f"{name}_quantized", f"{name}_scale",
-                             f"{name}_zero_point"], [f"{name}_dequantized"],
-                             name=f"{name}_dequantize")]
+    _insert_pairs(model, {name: (f"{name}_scale", f"{name}_zero_point") for name in outputs})
+    return len(outputs)
+
+
+def _insert_pairs(model, quantized: dict[str, tuple[str, str]]) -> None:
+    """A QuantizeLinear/DequantizeLinear pair right after each tensor of ``quantized`` (with
+    the names of its scale and zero point), its consumers reading the pair's output; each pair
+    follows its producer, so the nodes stay in order."""
+    from onnx import helper
+
+    pairs = {name: [
+        helper.make_node("QuantizeLinear", [name, scale, zero_point], [f"{name}_quantized"],
+                         name=f"{name}_quantize"),
+        helper.make_node("DequantizeLinear", [f"{name}_quantized", scale, zero_point],
+                         [f"{name}_dequantized"], name=f"{name}_dequantize")]
+        for name, (scale, zero_point) in quantized.items()}
     nodes = []
-    for node in model.graph.node:  # each pair right after its conv: the order holds
+    for node in model.graph.node:
         for i, name in enumerate(node.input):
             if name in pairs:
                 node.input[i] = f"{name}_dequantized"
         nodes += [node] + pairs.get(node.output[0] if node.output else "", [])
     model.graph.ClearField("node")
     model.graph.node.extend(nodes)
-    return len(outputs)
+
+
+def quantize_sigmoid_outputs(model) -> int:
+    """Give each Sigmoid that reads a DequantizeLinear and feeds only multiplies ready for int8
+    (their other input dequantized, their output quantized) a uint8 QDQ pair of its fixed range
+    [0, 1], in steps of 1/255; returns how many. ONNX Runtime then runs the Sigmoid as
+    QLinearSigmoid and the multiply as QLinearMul: SiLU's x * sigmoid(x) and the
+    squeeze-excitation gates. torchao's QAT graph leaves a Sigmoid's output float (Inductor
+    fuses it into the multiply), and ONNX Runtime ran each of those pairs in float between a
+    DequantizeLinear and a QuantizeLinear: in efficientnet_b0's ort-qat 4.7 of 9.5 ms a call
+    at batch 32 (docs/measurements.md). The steps are those of ort-static's own Sigmoids; the
+    gate moves by at most half of one, which openvino-qat's and ort-qat's parity checks with
+    torch-qat bound."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    producers = {out: node for node in model.graph.node for out in node.output}
+    consumers: dict[str, list] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+
+    def op_of(name):
+        return producers[name].op_type if name in producers else None
+
+    def ready_multiply(node, gate: str) -> bool:
+        others = [name for name in node.input if name != gate]
+        return (node.op_type == "Mul" and len(others) == 1
+                and op_of(others[0]) == "DequantizeLinear"
+                and {c.op_type for c in consumers.get(node.output[0], [])} == {"QuantizeLinear"})
+
+    gates = [node.output[0] for node in model.graph.node
+             if node.op_type == "Sigmoid" and op_of(node.input[0]) == "DequantizeLinear"
+             and consumers.get(node.output[0])
+             and all(ready_multiply(c, node.output[0]) for c in consumers[node.output[0]])]
+    if not gates:
+        return 0
+    model.graph.initializer.extend([
+        numpy_helper.from_array(np.array(1 / 255, dtype=np.float32), SIGMOID_SCALE),
+        numpy_helper.from_array(np.array(0, dtype=np.uint8), SIGMOID_ZERO_POINT)])
+    _insert_pairs(model, dict.fromkeys(gates, (SIGMOID_SCALE, SIGMOID_ZERO_POINT)))
+    return len(gates)
+
+
+def without_sigmoid_pairs(model) -> int:
+    """Take out, in place, the pairs `quantize_sigmoid_outputs` added (known by their scale),
+    for OpenVINO: it fuses x * sigmoid(x) into the convolution before it only where no quantize
+    step sits between. With them efficientnet_b0's openvino-qat ran the products apart
+    (PowerStatic, 3.08 of 7.43 ms by the perf counters) and fell from 1.47x to 1.15-1.20x the
+    fastest float (docs/measurements.md). Returns how many pairs."""
+    sigmoid_of = {node.output[0]: node.input[0] for node in model.graph.node
+                  if node.op_type == "QuantizeLinear" and node.input[1] == SIGMOID_SCALE}
+    restored = {node.output[0]: sigmoid_of[node.input[0]] for node in model.graph.node
+                if node.op_type == "DequantizeLinear" and node.input[1] == SIGMOID_SCALE}
+    if not restored:
+        return 0
+    nodes = [node for node in model.graph.node if node.input[1:2] != [SIGMOID_SCALE]]
+    for node in nodes:
+        for i, name in enumerate(node.input):
+            node.input[i] = restored.get(name, name)
+    model.graph.ClearField("node")
+    model.graph.node.extend(nodes)
+    kept = [init for init in model.graph.initializer
+            if init.name not in (SIGMOID_SCALE, SIGMOID_ZERO_POINT)]
+    model.graph.ClearField("initializer")
+    model.graph.initializer.extend(kept)
+    return len(restored)
 
 
 def quantize_linear_biases(model) -> int:

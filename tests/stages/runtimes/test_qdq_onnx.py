@@ -92,7 +92,8 @@ def test_a_linear_with_a_float_bias_gets_an_int32_one_and_runs_in_int8(tmp_path,
     before = ort_predict(ort_session(path, threads=1), images)
 
     assert qdq_onnx.complete_for_onnx_runtime(path, batches=[]) == {
-        "conv_outputs_quantized_before_adds": 0, "linear_biases_quantized": 1}
+        "conv_outputs_quantized_before_adds": 0, "linear_biases_quantized": 1,
+        "sigmoid_outputs_quantized": 0}
     assert onnx_op_counts(path)["Linear"] == {"int8": 1, "float": 0, "ops": {"QGemm": 1}}
     model = onnx.load(str(path))
     steps = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer
@@ -113,7 +114,8 @@ def test_a_linear_whose_bias_cannot_be_int32_is_left_as_it_is(tmp_path, bias, al
     _linear_qdq_model(path, bias, alpha=alpha)
     written = path.read_bytes()
     assert qdq_onnx.complete_for_onnx_runtime(path, batches=[]) == {
-        "conv_outputs_quantized_before_adds": 0, "linear_biases_quantized": 0}
+        "conv_outputs_quantized_before_adds": 0, "linear_biases_quantized": 0,
+        "sigmoid_outputs_quantized": 0}
     assert path.read_bytes() == written
 
 
@@ -176,3 +178,62 @@ def test_the_qat_graph_runs_every_conv_in_int8_in_onnx_runtime_and_openvino(
         assert _agree(reference, openvino.runner(compiled)[0](images))
     else:
         assert ort_convs["int8"] == 0
+
+
+def _silu_qdq_model(path) -> None:
+    """x * sigmoid(x) twice over a dequantized input, as torchao's QAT export writes SiLU: the
+    Sigmoid's output float. The first product is quantized (what a following conv reads), the
+    second leaves the graph as it is."""
+    inits = [numpy_helper.from_array(np.float32(0.05), "s"),
+             numpy_helper.from_array(np.uint8(128), "z")]
+    nodes = [helper.make_node("QuantizeLinear", ["input", "s", "z"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["x"]),
+             helper.make_node("Sigmoid", ["x"], ["gate"]),
+             helper.make_node("Mul", ["x", "gate"], ["silu"]),
+             helper.make_node("QuantizeLinear", ["silu", "s", "z"], ["silu_q"]),
+             helper.make_node("DequantizeLinear", ["silu_q", "s", "z"], ["quantized"]),
+             helper.make_node("Sigmoid", ["x"], ["gate_2"]),
+             helper.make_node("Mul", ["x", "gate_2"], ["plain"])]
+    value = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "silu", [value("input", TensorProto.FLOAT, [None, 8])],
+                              [value("quantized", TensorProto.FLOAT, [None, 8]),
+                               value("plain", TensorProto.FLOAT, [None, 8])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+def _ops_ort_runs(path) -> list[str]:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(path.with_suffix(".optimized.onnx"))
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return [node.op_type for node in onnx.load(options.optimized_model_filepath).graph.node]
+
+
+def test_a_sigmoid_between_quantized_tensors_gets_its_fixed_range_pair_and_runs_in_int8(tmp_path):
+    """efficientnet_b0's ort-qat in miniature: ONNX Runtime ran SiLU in float between a
+    DequantizeLinear and a QuantizeLinear; with a [0, 1] pair after the Sigmoid it runs
+    QLinearSigmoid and QLinearMul. A Sigmoid whose product stays float is left as it is."""
+    path = tmp_path / "silu.onnx"
+    _silu_qdq_model(path)
+    assert "QLinearSigmoid" not in _ops_ort_runs(path)
+    images = torch.linspace(-6, 6, 64).reshape(8, 8)
+    session = ort_session(path, threads=1)
+    before = session.run(None, {"input": images.numpy()})
+    assert qdq_onnx.complete_for_onnx_runtime(path, []) == {
+        "conv_outputs_quantized_before_adds": 0, "linear_biases_quantized": 0,
+        "sigmoid_outputs_quantized": 1}
+    ops = _ops_ort_runs(path)
+    assert ops.count("QLinearSigmoid") == 1 and ops.count("QLinearMul") == 1
+    assert ops.count("Sigmoid") == 1 and ops.count("Mul") == 1  # the float product's
+    after = ort_session(path, threads=1).run(None, {"input": images.numpy()})
+    assert np.abs(after[0] - before[0]).max() <= 0.05 + 1e-6  # at most one output step
+    assert np.array_equal(after[1], before[1])
+    # What openvino-qat reads: the same model without the pair (OpenVINO fuses x * sigmoid(x)).
+    model = onnx.load(str(path))
+    assert qdq_onnx.without_sigmoid_pairs(model) == 1
+    _silu_qdq_model(tmp_path / "original.onnx")
+    original = onnx.load(str(tmp_path / "original.onnx"))
+    assert [(n.op_type, list(n.input)) for n in model.graph.node] == \
+        [(n.op_type, list(n.input)) for n in original.graph.node]
+    assert {i.name for i in model.graph.initializer} == {"s", "z"}
