@@ -122,9 +122,8 @@ def quantize_sigmoid_outputs(model) -> int:
     squeeze-excitation gates. torchao's QAT graph leaves a Sigmoid's output float (Inductor
     fuses it into the multiply), and ONNX Runtime ran each of those pairs in float between a
     DequantizeLinear and a QuantizeLinear: in efficientnet_b0's ort-qat 4.7 of 9.5 ms a call
-    at batch 32 (docs/measurements.md). The steps are those of ort-static's own Sigmoids; the
-    gate moves by at most half of one, which openvino-qat's and ort-qat's parity checks with
-    torch-qat bound."""
+    at batch 32 (docs/measurements.md). The gate moves by at most half a step, which ort-qat's
+    parity check with torch-qat bounds."""
     import numpy as np
     from onnx import numpy_helper
 
