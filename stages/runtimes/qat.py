@@ -7,6 +7,7 @@ fine-tunes the graph `prepare` gives it and hands the result, a FineTuned, to ea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from stages.data.subsets import calibration_batches, validation_halves
 from stages.measure.evaluate import PARITY_MIN_AGREEMENT, compare_logits, dataset_accuracy
@@ -106,8 +107,9 @@ def make_openvino_qat(ctx, tuned: FineTuned) -> dict | None:
     """ort-qat's QDQ model (the fine-tuned ranges, as ONNX Runtime runs them) converted to
     OpenVINO IR, whose low-precision passes turn each quantize/dequantize pair into int8
     kernels, without the Sigmoid pairs added for ONNX Runtime and with its HardSigmoid gates
-    left float as openvino-int8's are; kept where it agrees with torch-qat. The fine-tuning is the one torch-qat and ort-qat come from, not a second one
-    with NNCF's own QAT, which measured no better (docs/design.md). None where not made."""
+    left float as openvino-int8's are; kept where it agrees with torch-qat. The fine-tuning is
+    the one torch-qat and ort-qat come from, not a second one with NNCF's own QAT, which
+    measured no better (docs/design.md). None where not made."""
     if "ort-qat" not in ctx.run.artifacts():
         ctx.say("qat: openvino-qat not made: it is read from ort-qat, which was not kept")
         return None
@@ -142,7 +144,8 @@ def make_openvino_qat(ctx, tuned: FineTuned) -> dict | None:
             path.unlink()
         ctx.say(f"qat: openvino-qat not kept: {why}")
         return None
-    info = {"converter": "openvino.convert_model of ort-qat", "precision_hint": "f32",
+    info = {"converter": "openvino.convert_model of ort-qat (its Sigmoid pairs left out)",
+            "precision_hint": "f32",
             "sigmoid_pairs_left_out": sigmoid_pairs, "float_excitation_multiplies": float_gates,
             "parity_vs_torch_qat": parity}
     ctx.register("openvino-qat", xml, info, fmt="openvino", companions=(weights,),
@@ -150,7 +153,7 @@ def make_openvino_qat(ctx, tuned: FineTuned) -> dict | None:
     return info
 
 
-def _ort_qat_for_openvino(ctx) -> tuple[object, int]:
+def _ort_qat_for_openvino(ctx) -> tuple[Path, int]:
     """The file openvino-qat converts: ort-qat, or where its Sigmoids were given QDQ pairs for
     ONNX Runtime, a copy without them in the scratch folder (qdq_onnx.without_sigmoid_pairs);
     and how many pairs it left out."""

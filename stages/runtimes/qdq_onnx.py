@@ -21,7 +21,8 @@ from stages.runtimes.onnxruntime import ort_predict, ort_session
 # Training images that observe the range of each conv output given a QDQ pair of its own.
 RESIDUAL_CALIBRATION_IMAGES = 256
 # The initializers of the pairs quantize_sigmoid_outputs adds, by which openvino-qat finds them.
-SIGMOID_SCALE, SIGMOID_ZERO_POINT = "sigmoid_output_scale", "sigmoid_output_zero_point"
+SIGMOID_SCALE = "qdq_onnx.sigmoid_output_scale"
+SIGMOID_ZERO_POINT = "qdq_onnx.sigmoid_output_zero_point"
 INT32_MAX = 2**31 - 1
 
 
@@ -125,26 +126,33 @@ def quantize_sigmoid_outputs(model) -> int:
     at batch 32 (docs/measurements.md). The gate moves by at most half a step, which ort-qat's
     parity check with torch-qat bounds."""
     import numpy as np
-    from onnx import numpy_helper
+    from onnx import TensorProto, numpy_helper
 
     producers = {out: node for node in model.graph.node for out in node.output}
     consumers: dict[str, list] = {}
     for node in model.graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
+    zero_point_types = {init.name: init.data_type for init in model.graph.initializer}
+    graph_outputs = {output.name for output in model.graph.output}
 
     def op_of(name):
         return producers[name].op_type if name in producers else None
 
+    def uint8(node) -> bool:  # the pair is uint8: QLinearSigmoid and QLinearMul take one type
+        return len(node.input) < 3 or zero_point_types.get(node.input[2]) == TensorProto.UINT8
+
     def ready_multiply(node, gate: str) -> bool:
         others = [name for name in node.input if name != gate]
+        after = consumers.get(node.output[0], [])
         return (node.op_type == "Mul" and len(others) == 1
-                and op_of(others[0]) == "DequantizeLinear"
-                and {c.op_type for c in consumers.get(node.output[0], [])} == {"QuantizeLinear"})
+                and op_of(others[0]) == "DequantizeLinear" and uint8(producers[others[0]])
+                and node.output[0] not in graph_outputs
+                and {c.op_type for c in after} == {"QuantizeLinear"} and all(map(uint8, after)))
 
     gates = [node.output[0] for node in model.graph.node
              if node.op_type == "Sigmoid" and op_of(node.input[0]) == "DequantizeLinear"
-             and consumers.get(node.output[0])
+             and uint8(producers[node.input[0]]) and consumers.get(node.output[0])
              and all(ready_multiply(c, node.output[0]) for c in consumers[node.output[0]])]
     if not gates:
         return 0
@@ -157,10 +165,10 @@ def quantize_sigmoid_outputs(model) -> int:
 
 def without_sigmoid_pairs(model) -> int:
     """Take out, in place, the pairs `quantize_sigmoid_outputs` added (known by their scale),
-    for OpenVINO: it fuses x * sigmoid(x) into the convolution before it only where no quantize
-    step sits between. With them efficientnet_b0's openvino-qat ran the products apart
-    (PowerStatic, 3.08 of 7.43 ms by the perf counters) and fell from 1.47x to 1.15-1.20x the
-    fastest float (docs/measurements.md). Returns how many pairs."""
+    for OpenVINO: with them it no longer fused x * sigmoid(x) into the convolution before it.
+    efficientnet_b0's openvino-qat ran the products apart (PowerStatic, 3.08 of 7.43 ms by the
+    perf counters), 1.15x and 1.20x the fastest float against 1.28x and 1.38x without them, in
+    reports that hour (docs/measurements.md). Returns how many pairs."""
     sigmoid_of = {node.output[0]: node.input[0] for node in model.graph.node
                   if node.op_type == "QuantizeLinear" and node.input[1] == SIGMOID_SCALE}
     restored = {node.output[0]: sigmoid_of[node.input[0]] for node in model.graph.node
