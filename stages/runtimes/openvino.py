@@ -135,14 +135,11 @@ def hard_excitation_multiplies(model) -> list[str]:
     elsewhere, so they stay int8 (docs/measurements.md)."""
     names = []
     for op in model.get_ordered_ops():
-        if op.get_type_name() != "Multiply" or op.get_input_size() != 2:
-            continue
-        sources = [op.input_value(i).get_node() for i in range(2)]
-        for gate, other in (sources, sources[::-1]):
-            if gate.get_type_name() == "HardSigmoid" and \
-                    gate.input_value(0).get_node().get_name() != other.get_name():
-                names.append(op.get_friendly_name())
-                break
+        if op.get_type_name() == "HardSigmoid":
+            gated = op.input_value(0).get_node().get_name()
+            names += [user.get_node().get_friendly_name()
+                      for user in op.output(0).get_target_inputs()
+                      if _gates_other_features(user.get_node(), op.get_name(), gated)]
     return names
 
 
@@ -168,13 +165,14 @@ def unquantize_hard_gates(model) -> list[str]:
     return multiplies
 
 
-def _gates_other_features(node, quantizer: str, gated: str) -> bool:
-    """Whether ``node`` multiplies the output of ``quantizer`` with features other than the
-    gate's own input ``gated`` (directly or through a FakeQuantize of its own)."""
+def _gates_other_features(node, gate: str, gated: str) -> bool:
+    """Whether ``node`` multiplies the output of ``gate`` (a HardSigmoid, or the FakeQuantize
+    after it) with features other than the gate's own input ``gated``, directly or through a
+    FakeQuantize of their own: a squeeze-excitation gate, not x * hardsigmoid(x)."""
     if node.get_type_name() != "Multiply" or node.get_input_size() != 2:
         return False
     others = [node.input_value(i).get_node() for i in range(2)
-              if node.input_value(i).get_node().get_name() != quantizer]
+              if node.input_value(i).get_node().get_name() != gate]
     if len(others) != 1:
         return False
     other = others[0]
