@@ -11,7 +11,8 @@ the same half of the validation split; its cosine spans the epochs run (the stag
 epochs asked and is cut by --tuning-time), with no BatchNorm or observer freezes. Then it
 prints, for that model (`nncf-qat`) and the run's `openvino-qat`, `openvino-int8` and
 `openvino-fp32`: the convolutions OpenVINO runs in int8, test accuracy, accuracy on the other
-validation half, and p50 latency at batch 32 (2 threads, the four timed in turn in each round).
+validation half, and p50 latency at batch 32 (2 threads, timed in the report's harness,
+timing.interleaved, with the speed-up's 95% interval).
 `nncf-qat`'s HardSigmoid gates are left float as the product's are. The measurement behind
 docs/design.md's choice of the QDQ path for `openvino-qat`.
 """
@@ -21,7 +22,6 @@ import argparse
 import contextlib
 import copy
 import io
-import statistics
 import time
 from pathlib import Path
 
@@ -30,6 +30,7 @@ import torch
 from stages.data.datasets import splits_of_run
 from stages.data.loaders import EpochSampler, make_loader
 from stages.data.subsets import calibration_batches, validation_halves
+from stages.measure import timing
 from stages.measure.evaluate import accuracy, predict_dataset
 from stages.qat import switch_off_stochastic_depth
 from stages.run.artifacts import open_run
@@ -101,7 +102,7 @@ def main() -> None:
     models |= {name: core.read_model(str(run.verified_path(name))) for name in COMPARED}
     judging = torch.utils.data.Subset(splits.val, validation_halves(len(splits.val))[1])
     batch = torch.stack([splits.test[i][0] for i in range(32)])
-    compiled_models, calls, times = {}, {}, {name: [] for name in models}
+    compiled_models, calls = {}, {}
     print("| variant | Conv in int8 | test accuracy | other validation half |")
     print("|---|---|---|---|")
     for name, model in models.items():
@@ -112,18 +113,11 @@ def main() -> None:
               f"| {accuracy(*predict_dataset(predict, splits.test)):.2%} "
               f"| {accuracy(*predict_dataset(predict, judging)):.2%} |")
         calls[name] = call_for(batch)
-    for _ in range(args.rounds):
-        for name, call in calls.items():
-            call()
-            started = time.perf_counter()
-            for _ in range(10):
-                call()
-            times[name].append((time.perf_counter() - started) * 100)  # ms per call
-    fp32 = statistics.median(times["openvino-fp32"])
-    for name, ms in times.items():
-        print(f"{name}: p50 {statistics.median(ms):.2f} ms at batch 32, "
-              f"{fp32 / statistics.median(ms):.2f}x openvino-fp32")
-
+    timings = timing.interleaved(calls, rounds=args.rounds)  # the report's harness
+    for name, timed in timings.items():
+        ratio = timing.speedup(timings["openvino-fp32"], timed)
+        print(f"{name}: p50 {timed.summary()['p50']:.2f} ms at batch 32, {ratio['ratio']:.2f}x "
+              f"({ratio['low']:.2f}-{ratio['high']:.2f}) openvino-fp32")
 
 if __name__ == "__main__":
     main()
