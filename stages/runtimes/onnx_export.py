@@ -41,8 +41,9 @@ def external_data_files(path: Path) -> list[Path]:
     return files
 
 
-def export_onnx(model, example, path: Path) -> None:
-    """Export with torch.export (dynamo) and a dynamic batch axis, as one self-contained file."""
+def export_onnx(model, example, path: Path) -> list[str]:
+    """Export with torch.export (dynamo) and a dynamic batch axis, as one self-contained file,
+    global average pooling written as such (`means_as_global_pools`, whose list it returns)."""
     import onnx
     import torch
 
@@ -65,9 +66,63 @@ def export_onnx(model, example, path: Path) -> None:
         # The exporter writes weights to model.onnx.data; under 2 GB one file is easier to ship.
         proto = onnx.load(str(scratch_file), load_external_data=True)
         _drop_weight_value_info(proto.graph)
+        pools = means_as_global_pools(proto)
         with atomic_path(path) as tmp:
             onnx.save_model(proto, str(tmp), save_as_external_data=False)
     check_onnx(path)
+    return pools
+
+
+def means_as_global_pools(proto) -> list[str]:
+    """Rewrite, in place, each ReduceMean over the two spatial axes of a 4-D tensor (as
+    torch.export writes AdaptiveAvgPool2d(1) and x.mean((2, 3))) as GlobalAveragePool, the
+    same mean, which ONNX Runtime runs with a kernel of its own and, between quantized tensors,
+    fuses into QLinearGlobalAveragePool: efficientnet_b0's onnx-fp32 ran 1.10x faster at batch
+    32 and its QDQ int8 1.03x, with 17 quantize/dequantize pairs fewer (docs/measurements.md).
+    Returns the names of the rewritten nodes."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    graph = proto.graph
+    known = {init.name: init for init in graph.initializer}
+    known |= {node.output[0]: node.attribute[0].t for node in graph.node
+              if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value"}
+    # The exporter writes the shape of every tensor it makes; one without is left alone.
+    ranks = {info.name: len(info.type.tensor_type.shape.dim)
+             for info in list(graph.value_info) + list(graph.input)
+             if info.type.tensor_type.HasField("shape")}
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+    rewritten, nodes, freed = [], [], set()
+    for node in graph.node:
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        axes = attributes.get("axes")
+        if axes is None and len(node.input) > 1 and node.input[1] in known:
+            axes = numpy_helper.to_array(known[node.input[1]])
+        keep = attributes.get("keepdims", 1)
+        if (node.op_type != "ReduceMean" or ranks.get(node.input[0]) != 4 or axes is None
+                or sorted(int(a) % 4 for a in np.ravel(axes)) != [2, 3]
+                or (not keep and opset < 13)):
+            nodes.append(node)
+            continue
+        pooled = node.output[0] if keep else f"{node.output[0]}_pooled"
+        nodes.append(helper.make_node("GlobalAveragePool", [node.input[0]], [pooled],
+                                      name=node.name))
+        if not keep:
+            spatial = f"{node.name}_spatial_axes"
+            graph.initializer.append(numpy_helper.from_array(np.array([2, 3], np.int64), spatial))
+            nodes.append(helper.make_node("Squeeze", [pooled, spatial], [node.output[0]],
+                                          name=f"{node.name}_squeeze"))
+        rewritten.append(node.name)
+        freed.update(node.input[1:])
+    used = {name for node in nodes for name in node.input}
+    freed -= used
+    del graph.node[:]
+    graph.node.extend(node for node in nodes
+                      if not (node.op_type == "Constant" and node.output[0] in freed))
+    kept = [init for init in graph.initializer if init.name not in freed]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return rewritten
 
 
 def _drop_weight_value_info(graph) -> None:

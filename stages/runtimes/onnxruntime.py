@@ -233,10 +233,11 @@ def make_onnx_fp32(ctx) -> dict:
     model = ctx.float_model()
     images = ctx.check_images()
     path = ctx.folder / "model.onnx"
-    onnx_export.export_onnx(model, images[:2], path)
+    pools = onnx_export.export_onnx(model, images[:2], path)
     parity = compare_logits(predict(model, images),
                             ort_predict(ort_session(path, threads=1), images))
-    info = {"exporter": "torch.onnx.export(dynamo=True)", "parity_vs_pytorch": parity}
+    info = {"exporter": "torch.onnx.export(dynamo=True)", "means_as_global_average_pool": pools,
+            "parity_vs_pytorch": parity}
     ctx.register("onnx-fp32", path, info, fmt="onnx", op_counts=onnx_op_counts(path))
     if parity["top1_agreement"] < 0.99:
         ctx.say(f"warning: onnx-fp32 agrees with PyTorch on only {parity['top1_agreement']:.1%} "

@@ -79,7 +79,7 @@ def make_ort_qat(ctx, tuned: FineTuned) -> dict | None:
     path = ctx.folder / "ort-qat.onnx"
     images = ctx.check_images()
     try:
-        onnx_export.export_onnx(pt2e.load_pt2e(ctx.run, "torch-qat"), images[:2], path)
+        pools = onnx_export.export_onnx(pt2e.load_pt2e(ctx.run, "torch-qat"), images[:2], path)
     except PipelineError as exc:
         ctx.say(f"qat: ort-qat not made: {exc}")
         return None
@@ -95,7 +95,8 @@ def make_ort_qat(ctx, tuned: FineTuned) -> dict | None:
                 f"{parity['max_abs_diff']:.3g}) once it fuses the QDQ pairs into its int8 "
                 "kernels" + cause)
         return None
-    info = {"exporter": "torch.onnx.export(dynamo=True) of torch-qat", **completed,
+    info = {"exporter": "torch.onnx.export(dynamo=True) of torch-qat",
+            "means_as_global_average_pool": pools, **completed,
             "parity_vs_torch_qat": parity}
     ctx.register("ort-qat", path, info, fmt="onnx", op_counts=onnx_op_counts(path))
     return info
@@ -126,6 +127,7 @@ def make_openvino_qat(ctx, tuned: FineTuned) -> dict | None:
                 f"{str(exc).strip().splitlines()[0][:200]}")
         return None
     float_gates = openvino.unquantize_hard_gates(model)  # as openvino-int8 leaves them
+    pools = openvino.means_as_avg_pools(model)  # as openvino-fp32's
     xml = ctx.folder / "openvino-qat.xml"
     weights = openvino.save_ir(model, xml, ctx.scratch)
     compiled = openvino.compile_model(openvino.core().read_model(str(xml)), threads=1)
@@ -147,6 +149,7 @@ def make_openvino_qat(ctx, tuned: FineTuned) -> dict | None:
     info = {"converter": "openvino.convert_model of ort-qat (its Sigmoid pairs left out)",
             "precision_hint": "f32",
             "sigmoid_pairs_left_out": sigmoid_pairs, "float_excitation_multiplies": float_gates,
+            "means_as_avg_pool": pools,
             "parity_vs_torch_qat": parity}
     ctx.register("openvino-qat", xml, info, fmt="openvino", companions=(weights,),
                  op_counts=op_counts)

@@ -25,3 +25,37 @@ def test_a_weight_rewritten_in_place_passes_shape_inference(tmp_path):
     assert weight_shapes in ({}, {weight.name: [12, 3]})
     logits = inferred.graph.output[0].type.tensor_type.shape.dim
     assert logits[-1].dim_value == 3
+
+
+class _Means(torch.nn.Module):
+    """Global average pooling kept 4-D (a squeeze-excitation gate's), flattened (mnasnet's
+    x.mean([2, 3])), and a mean over channels, which is not pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.conv(x)
+        x = x * torch.sigmoid(x.mean((2, 3), keepdim=True)) + x.mean(1, keepdim=True)
+        return self.fc(x.mean([2, 3]))
+
+
+def test_global_means_are_written_as_global_average_pools(tmp_path):
+    import onnxruntime as ort
+
+    model = _Means().eval()
+    path = tmp_path / "model.onnx"
+    rewritten = export_onnx(model, torch.zeros(2, 3, 9, 7), path)
+    proto = onnx.load(str(path))
+    ops = [node.op_type for node in proto.graph.node]
+    assert len(rewritten) == 2
+    assert ops.count("GlobalAveragePool") == 2 and ops.count("ReduceMean") == 1  # over channels
+    used = {name for node in proto.graph.node for name in node.input}
+    assert all(init.name in used for init in proto.graph.initializer)  # the axes went with them
+    images = torch.randn(5, 3, 9, 7)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    logits = session.run(None, {session.get_inputs()[0].name: images.numpy()})[0]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(logits), model(images), atol=1e-5, rtol=1e-5)

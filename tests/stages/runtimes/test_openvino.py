@@ -77,6 +77,26 @@ def test_hard_excitation_gates_stay_float_and_nothing_else_does(tmp_path):
     assert "HardSigmoid" not in fed and "Sigmoid" in fed
 
 
+def test_openvino_runs_global_means_as_avg_pools_and_leaves_other_means(tmp_path):
+    """ONNX's GlobalAveragePool (kept 4-D or squeezed) reaches OpenVINO as ReduceMean, which
+    means_as_avg_pools rewrites as AvgPool; a mean over channels stays ReduceMean."""
+    from stages.runtimes import openvino as ov_runtime
+    from stages.runtimes.onnx_export import export_onnx
+    from tests.stages.runtimes.test_onnx_export import _Means
+
+    path = tmp_path / "means.onnx"
+    export_onnx(_Means().eval(), torch.zeros(2, 3, 9, 7), path)
+    model = ov_runtime._openvino().convert_model(str(path))
+    images = torch.randn(5, 3, 9, 7)
+    before = ov_runtime.runner(ov_runtime.compile_model(model, 1))[0](images)
+    assert len(ov_runtime.means_as_avg_pools(model)) == 2
+    kinds = [op.get_type_name() for op in model.get_ordered_ops()]
+    assert kinds.count("AvgPool") == 2 and kinds.count("ReduceMean") == 1
+    after = ov_runtime.runner(ov_runtime.compile_model(model, 1))[0](images)
+    assert after.shape == (5, 4)
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+
+
 def _qdq_gates_model(path):
     """A QDQ model as ort-qat's reads into OpenVINO: features x, a HardSigmoid
     squeeze-excitation gate, a Sigmoid one and x * hardsigmoid(x), each gate's output quantized
