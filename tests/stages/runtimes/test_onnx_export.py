@@ -28,18 +28,22 @@ def test_a_weight_rewritten_in_place_passes_shape_inference(tmp_path):
 
 
 class _Means(torch.nn.Module):
-    """Global average pooling kept 4-D (a squeeze-excitation gate's), flattened (mnasnet's
-    x.mean([2, 3])), and a mean over channels, which is not pooling."""
+    """Global average pooling kept 4-D (a squeeze-excitation gate's) and flattened (mnasnet's
+    x.mean([2, 3])), each on a 7x5 map and on a map of one pixel, and a mean over channels,
+    which is not pooling."""
 
     def __init__(self):
         super().__init__()
         self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.squash = torch.nn.Conv2d(8, 8, (7, 5))  # 7x5 -> 1x1
         self.fc = torch.nn.Linear(8, 4)
 
     def forward(self, x):
         x = self.conv(x)
         x = x * torch.sigmoid(x.mean((2, 3), keepdim=True)) + x.mean(1, keepdim=True)
-        return self.fc(x.mean([2, 3]))
+        pixel = self.squash(x)
+        return (self.fc(x.mean([2, 3]) + pixel.mean([2, 3]))
+                + self.fc(pixel.mean((2, 3), keepdim=True).flatten(1)))
 
 
 def test_global_means_are_written_as_global_average_pools(tmp_path):
@@ -50,8 +54,9 @@ def test_global_means_are_written_as_global_average_pools(tmp_path):
     rewritten = export_onnx(model, torch.zeros(2, 3, 9, 7), path)
     proto = onnx.load(str(path))
     ops = [node.op_type for node in proto.graph.node]
-    assert len(rewritten) == 2
+    assert len(rewritten) == 4
     assert ops.count("GlobalAveragePool") == 2 and ops.count("ReduceMean") == 1  # over channels
+    assert ops.count("Identity") == 1 and ops.count("Squeeze") == 2  # the one-pixel means
     used = {name for node in proto.graph.node for name in node.input}
     assert all(init.name in used for init in proto.graph.initializer)  # the axes went with them
     images = torch.randn(5, 3, 9, 7)
