@@ -106,6 +106,51 @@ def test_a_slow_int8_warning_names_the_operators_measured_to_take_the_time():
     assert diagnosis.NO_VNNI not in slow
 
 
+def test_a_slow_int8_warning_at_a_batch_size_not_profiled_splits_call_and_image_costs():
+    """mnasnet0_5's torch-static on the VNNI EPYC: 1.06 ms at batch 1 and 1.54 at 32, against
+    onnx-fp32's 0.10 and 0.74: slower at both sizes, profiled at 32 only. At batch 1 the line
+    through its two p50s says where: per call (1.04 against 0.08 ms), not per image."""
+    from stages.measure import timing
+    from stages.report import diagnosis, recommendation
+    from tests.stages.test_report import _row
+
+    def at(p50_by_size):
+        latency = {}
+        for size, ms in p50_by_size.items():
+            rounds = [[ms / 1000] * 4] * 6  # Timing holds seconds
+            latency[size] = timing.Timing(rounds).summary() | {"rounds_ms": rounds}
+        return latency
+
+    rows = [_row("fp32", [10.0] * 6, 0.0, int8=False), _row("onnx-fp32", [0.74] * 6, 0.0,
+                                                               int8=False),
+            _row("torch-static", [1.54] * 6, 0.0)]
+    for row, p50 in zip(rows, ({"1": 3.0, "32": 10.0}, {"1": 0.10, "32": 0.74},
+                               {"1": 1.06, "32": 1.54})):
+        row["latency_ms"] = at(p50)
+    recommendation.speedups(rows, "fp32")
+    profiles = {"batch_size": 32, "variants": {"torch-static": {"calls": 5, "operators": {
+        "qconv_pointwise_tensor": 1.1}}}, "tables": []}
+    at_one, at_32 = diagnosis.warnings_for(rows, "fp32", 1.0, {}, profiles)
+    assert at_one.startswith("torch-static is slower than the fastest float variant onnx-fp32 "
+                             "at batch 1")
+    assert at_one.endswith(" By its p50 at batch 1 and 32, a call costs it 1.04 ms whatever its "
+                           "size and 0.015 ms an image, against 0.08 and 0.021 ms for onnx-fp32:"
+                           " at batch 1 the time is lost per call.")
+    assert "Measured at batch 32" in at_32 and "By its p50" not in at_32  # the profile says
+    rows[2]["latency_ms"] = at({"1": 0.12, "32": 3.0})  # as cheap a call, dearer images
+    recommendation.speedups(rows, "fp32")
+    assert diagnosis.warnings_for(rows, "fp32", 1.0, {})[0].endswith(
+        "at batch 1 the time is lost per image.")
+    # Slower at batch 8 alone: the line through batch 1 and 32 cannot say where.
+    for row, p50 in zip(rows, ({"1": 3.0, "8": 4.0, "32": 10.0},
+                               {"1": 0.10, "8": 0.30, "32": 0.74},
+                               {"1": 0.09, "8": 0.60, "32": 0.70})):
+        row["latency_ms"] = at(p50)
+    recommendation.speedups(rows, "fp32")
+    [at_8] = diagnosis.warnings_for(rows, "fp32", 1.0, {})
+    assert "at batch 8" in at_8 and "By its p50" not in at_8
+
+
 def test_the_report_shows_where_the_recommendations_time_goes(tiny_run):
     data = tiny_run["report"]
     verdict, profiles = data["verdict"], data["profiles"]
