@@ -84,17 +84,20 @@ def means_as_global_pools(proto) -> list[str]:
     ms on such a map at batch 32 (1280 channels), 12% of mobilenet_v2's QDQ int8 call
     (docs/measurements.md). Returns the names of the rewritten nodes."""
     import numpy as np
-    from onnx import helper, numpy_helper
+    from onnx import TensorProto, helper, numpy_helper
 
     graph = proto.graph
     known = {init.name: init for init in graph.initializer}
     known |= {node.output[0]: node.attribute[0].t for node in graph.node
               if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value"}
     # The exporter writes the shape of every tensor it makes; one without is left alone.
+    # GlobalAveragePool takes float types alone before opset 22; ReduceMean takes more.
+    floats = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16}
     shapes = {info.name: [d.dim_value if d.HasField("dim_value") else None
                           for d in info.type.tensor_type.shape.dim]
               for info in list(graph.value_info) + list(graph.input)
-              if info.type.tensor_type.HasField("shape")}
+              if info.type.tensor_type.HasField("shape")
+              and info.type.tensor_type.elem_type in floats}
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
     rewritten, nodes, freed = [], [], set()
     for node in graph.node:

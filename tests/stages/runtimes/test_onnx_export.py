@@ -64,3 +64,60 @@ def test_global_means_are_written_as_global_average_pools(tmp_path):
     logits = session.run(None, {session.get_inputs()[0].name: images.numpy()})[0]
     with torch.no_grad():
         torch.testing.assert_close(torch.from_numpy(logits), model(images), atol=1e-5, rtol=1e-5)
+
+
+def _graph_of_means(opset: int, axes_by: str):
+    """x (float, 2x3x4x5) and its spatial means, axes given as ``axes_by``: "attribute" (before
+    opset 18), or a Constant node that a Reshape also reads; an int32 mean left alone."""
+    import numpy as np
+
+    spatial = np.array([2, 3], np.int64)
+    nodes, initializers = [], []
+    if axes_by == "attribute":
+        nodes.append(helper.make_node("ReduceMean", ["x"], ["kept"], axes=[2, 3], keepdims=1))
+        nodes.append(helper.make_node("ReduceMean", ["x"], ["flat"], axes=[-1, -2], keepdims=0))
+    else:
+        nodes.append(helper.make_node("Constant", [], ["axes"],
+                                      value=numpy_helper.from_array(spatial)))
+        nodes.append(helper.make_node("ReduceMean", ["x", "axes"], ["kept"], keepdims=1))
+        nodes.append(helper.make_node("ReduceMean", ["x", "axes"], ["flat"], keepdims=0))
+        nodes.append(helper.make_node("Reshape", ["flat", "axes"], ["shared"]))  # reads it too
+    nodes.append(helper.make_node("Cast", ["x"], ["ints"], to=onnx.TensorProto.INT32))
+    nodes.append(helper.make_node("ReduceMean", ["ints"], ["int_mean"], axes=[2, 3])
+                 if axes_by == "attribute" else
+                 helper.make_node("ReduceMean", ["ints", "axes"], ["int_mean"]))
+    float_, int32 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT32
+    outputs = [("kept", float_, [2, 3, 1, 1]), ("flat", float_, [2, 3]),
+               ("int_mean", int32, [2, 3, 1, 1])] + (
+        [("shared", float_, [2, 3])] if axes_by != "attribute" else [])
+    graph = helper.make_graph(
+        nodes, "means", [helper.make_tensor_value_info("x", float_, [2, 3, 4, 5])],
+        [helper.make_tensor_value_info(*output) for output in outputs], initializers)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return onnx.shape_inference.infer_shapes(proto)
+
+
+def test_means_given_by_attribute_or_by_a_shared_constant_are_rewritten_alike():
+    import numpy as np
+    import onnxruntime as ort
+
+    from stages.runtimes.onnx_export import means_as_global_pools
+
+    x = np.random.default_rng(0).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    for opset, axes_by in ((11, "attribute"), (13, "attribute"), (18, "constant")):
+        proto = _graph_of_means(opset, axes_by)
+        session = ort.InferenceSession(proto.SerializeToString(),
+                                       providers=["CPUExecutionProvider"])
+        before = session.run(None, {"x": x})
+        rewritten = means_as_global_pools(proto)
+        onnx.checker.check_model(proto, full_check=True)
+        ops = [node.op_type for node in proto.graph.node]
+        # Before opset 13, Squeeze takes its axes as an attribute: the flattening mean stays.
+        assert len(rewritten) == (1 if opset < 13 else 2), (opset, rewritten)
+        assert ops.count("GlobalAveragePool") == len(rewritten)
+        assert ops.count("ReduceMean") == 3 - len(rewritten)  # the int32 mean among them
+        assert ops.count("Constant") == (axes_by == "constant")  # the Reshape still reads it
+        session = ort.InferenceSession(proto.SerializeToString(),
+                                       providers=["CPUExecutionProvider"])
+        for was, now in zip(before, session.run(None, {"x": x})):
+            np.testing.assert_allclose(now, was, rtol=1e-6, atol=1e-6)

@@ -96,6 +96,18 @@ def test_openvino_runs_global_means_as_avg_pools_and_leaves_other_means(tmp_path
     assert after.shape == (5, 4)
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
 
+    # A mean that drops the axes (as another converter may write it) gets its Squeeze.
+    opset = ov_runtime._openvino().opset15
+    features = opset.parameter([-1, 3, 9, 7], name="x")
+    flat = opset.reduce_mean(features, opset.constant([-2, -1], dtype=int), keep_dims=False)
+    model = ov_runtime._openvino().Model([flat], [features])
+    before = ov_runtime.runner(ov_runtime.compile_model(model, 1))[0](images)
+    assert len(ov_runtime.means_as_avg_pools(model)) == 1
+    assert [op.get_type_name() for op in model.get_ordered_ops()].count("AvgPool") == 1
+    after = ov_runtime.runner(ov_runtime.compile_model(model, 1))[0](images)
+    assert after.shape == (5, 3)
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+
 
 def _qdq_gates_model(path):
     """A QDQ model as ort-qat's reads into OpenVINO: features x, a HardSigmoid
