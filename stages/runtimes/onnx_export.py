@@ -80,8 +80,8 @@ def means_as_global_pools(proto) -> list[str]:
     fuses into QLinearGlobalAveragePool: efficientnet_b0's onnx-fp32 ran 1.10x faster at batch
     32 and its QDQ int8 1.03x, with 17 quantize/dequantize pairs fewer. A mean over a map of
     one pixel (a 32-pixel image through five stride-2 stages) is that pixel: it becomes an
-    Identity, or a Squeeze where the mean dropped the axes; QLinearGlobalAveragePool took 0.20
-    ms on such a map at batch 32 (1280 channels), 12% of mobilenet_v2's QDQ int8 call
+    Identity, or a Squeeze where the mean dropped the axes: QLinearGlobalAveragePool took 0.20
+    ms on such a map at batch 32 (1280 channels) and made mobilenet_v2's QDQ int8 12% slower
     (docs/measurements.md). Returns the names of the rewritten nodes."""
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
