@@ -112,7 +112,7 @@ def _call_and_image_ms(row: dict) -> tuple[int, int, float, float] | None:
 def _fitted_costs(row: dict, best_float: dict, size: str) -> str:
     """Where a variant not profiled at ``size`` loses its time against the fastest float, from
     the latency table alone: its cost per call and per image against the float's (on
-    mnasnet0_5, torch-static's 1.04 ms a call against onnx-fp32's 0.08 ms lost batch 1)."""
+    mnasnet0_5, torch-static's 1.08 ms a call against onnx-fp32's 0.08 ms lost batch 1)."""
     mine, theirs = _call_and_image_ms(row), _call_and_image_ms(best_float)
     if mine is None or theirs is None:
         return ""
