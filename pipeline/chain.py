@@ -92,8 +92,9 @@ def _cap_isa_before_any_kernel(processors: list[Processor], precision: str | Non
             pass
     capped = cap_isa_for_bf16_training(precision, device)
     if capped:
-        click.echo(f"bf16 training on a CPU with AMX: oneDNN capped at {capped} for this "
-                   "process (AMX bf16 kernels of this torch give wrong results)", err=True)
+        click.echo(f"bf16 training on a CPU with AMX: oneDNN capped at {capped} in this "
+                   "process (AMX bf16 kernels of this torch give wrong results); the report "
+                   "measures in a process of its own, without the cap", err=True)
 
 
 def _duration(seconds: float) -> str:

@@ -13,6 +13,7 @@ in-process.
 """
 from __future__ import annotations
 
+from stages.measure.machine import cpu_has_bf16
 from stages.training.precision import cap_isa_for_bf16_training
 
 cap_isa_for_bf16_training("bf16", "cpu")  # before any test imports torch and runs a kernel
@@ -28,10 +29,16 @@ TINY_TRAIN = dict(model="smallcnn", image_size=8, epochs=2, batch_size=64, lr=0.
 # Batch 32 alone: it is the batch compiled models score in, so each builds one graph (a
 # second batch size costs three more Inductor compiles); cheap_run's report has two sizes.
 TINY_REPORT = dict(batch_sizes=(32,), warmup=1, rounds=5, max_rounds=5, repeats=4, quiet=True)
-ALL_VARIANTS = ["fp32", "amp", "fp32-compiled", "torch-dynamic", "torch-static", "torch-qat",
-                "onnx-fp32", "ort-dynamic", "ort-static", "ort-qat", "openvino-fp32",
-                "openvino-int8"]
-FROM_QUANTIZE = [n for n in ALL_VARIANTS if n not in ("torch-qat", "ort-qat")]
+ALL_VARIANTS = ["fp32", "amp", "fp32-compiled", "amp-compiled", "torch-dynamic",
+                "torch-static", "torch-qat", "onnx-fp32", "ort-dynamic", "ort-static", "ort-qat",
+                "openvino-fp32", "openvino-bf16", "openvino-int8", "openvino-qat"]
+QAT_VARIANTS = ("torch-qat", "ort-qat", "openvino-qat")
+BF16_VARIANTS = ("amp-compiled", "openvino-bf16")  # made only on a CPU with bf16 instructions
+# What quantize is asked to make by default, and what it makes on this CPU (with the models
+# train wrote first).
+QUANTIZE_METHODS = [n for n in ALL_VARIANTS if n not in QAT_VARIANTS + ("fp32", "amp")]
+FROM_QUANTIZE = ["fp32", "amp"] + [n for n in QUANTIZE_METHODS
+                                   if n not in BF16_VARIANTS or cpu_has_bf16()]
 
 
 def _copy(run, folder):

@@ -30,6 +30,7 @@ from stages.run.errors import UsageError
 from stages.run.files import sha256_file
 from stages.run.progress import say
 from stages.run.trained import float_source
+from stages.runtimes.openvino import precision_hint
 
 TEMPLATES = {"onnxruntime": "predict_onnxruntime.py", "openvino": "predict_openvino.py",
              "pytorch": "predict_torch.py"}
@@ -113,6 +114,7 @@ def run(config, run: Run) -> Path:
             _copy_onnx(run, name, folder)
         elif runtime == "openvino":
             _copy_openvino(run, name, folder)
+            serving["precision_hint"] = precision_hint(name)  # as the report timed it
         else:
             serving |= _save_torch(run, name, folder)
             say(f"export: {CODE_WARNING}", quiet=False)

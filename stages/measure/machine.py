@@ -36,6 +36,11 @@ def cpu_has_vnni() -> bool:
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(cpu_info()["flags"]))
 
 
+def cpu_has_bf16() -> bool:
+    """bf16 instructions (AVX-512 BF16, AMX): elsewhere bf16 is emulated, slower than fp32."""
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_info()["flags"]))
+
+
 def isa() -> dict:
     """What the kernels may use: ATen's vector ISA, and oneDNN's cap where one is set."""
     import torch

@@ -110,7 +110,8 @@ def interleaved(calls: dict[str, Callable[[], object]], rounds: int, repeats: in
                 clock: Callable[[], float] = time.perf_counter,
                 idle: Callable[[], float] = wait_until_idle,
                 timers: dict[str, Callable[[Callable], float]] | None = None,
-                begin: Callable[[], object] | None = None) -> dict[str, Timing]:
+                begin: Callable[[], object] | None = None,
+                announce: Callable[[str], object] | None = None) -> dict[str, Timing]:
     """Time every call in at least ``rounds`` rounds, rotating the order each round.
 
     ``repeats`` timed calls per variant and round, or 0 for as many as fill ROUND_SECONDS
@@ -119,12 +120,16 @@ def interleaved(calls: dict[str, Callable[[], object]], rounds: int, repeats: in
     holds, or until ``max_rounds`` are timed or, past ``rounds``, ``budget_seconds`` have
     passed since timing began. ``begin`` is called once the warm-up calls are done, as the
     rounds start: a first call that compiles (torch.compile's workers are other processes)
-    is not part of what the rounds ran beside."""
+    is not part of what the rounds ran beside. ``announce(name)`` is called before each
+    variant's warm-up and each of its rounds: what crashed, where one does
+    (stages/run/isolated.py)."""
     names = list(calls)
+    announce = announce or (lambda name: None)
     wall = wall_timer(clock)
     timer = {name: (timers or {}).get(name, wall) for name in names}
     counts, warm = {}, {}
     for name in names:
+        announce(name)
         for _ in range(warmup):
             calls[name]()
         seconds = timer[name](calls[name])
@@ -147,6 +152,7 @@ def interleaved(calls: dict[str, Callable[[], object]], rounds: int, repeats: in
             shift = r % len(names)
             for name in names[shift:] + names[:shift]:
                 waited = idle()
+                announce(name)
                 call, seconds = calls[name], []
                 if warm[name]:
                     call()  # untimed: brings this variant's weights back into the caches

@@ -17,9 +17,10 @@ from pathlib import Path
 
 from stages.measure import contention, machine
 from stages.report import plots, profile
-from stages.report.diagnosis import isa_note, parity_warnings, warnings_for
-from stages.report.markdown import compare_markdown, markdown
-from stages.report.measuring import measure_variants
+from stages.report.diagnosis import crash_warnings, isa_note, parity_warnings, warnings_for
+from stages.report.compare import compare_markdown
+from stages.report.markdown import markdown
+from stages.report.worker import measure
 from stages.report.recommendation import check_gates, device_reference, on_device, verdict
 from stages.run.artifacts import Run, open_run
 from stages.run.files import atomic_write_json, atomic_write_text
@@ -75,19 +76,10 @@ def _gpu_note(config, gpu_rows: list[dict], unmeasured: list[str]) -> str:
 
 
 def run(config, run: Run) -> dict:
-    import torch
-
     threads = machine.inference_threads(config.threads)
     compared = [open_run(run.artifacts_dir, name) for name in config.compare if name != run.name]
-    # The report's thread count is its own: a stage chained after it (or a second run in the
-    # same process) trains with the count it found, as it would alone.
-    found = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with tempfile.TemporaryDirectory() as scratch:
-            rows, measured = measure_variants(run, config, threads, Path(scratch))
-    finally:
-        torch.set_num_threads(found)
+    with tempfile.TemporaryDirectory() as scratch:  # in a child process: worker.py says why
+        rows, measured = measure(run, config, threads, Path(scratch))
     folder = run.root / "report"
     folder.mkdir(parents=True, exist_ok=True)
     report = assemble(run, config, threads, rows, measured, folder)
@@ -103,7 +95,7 @@ def assemble(run: Run, config, threads: int, rows: list[dict], measured: dict,
     reference, conditions = measured["reference"], measured["timing_conditions"]
     training = training_rows(run)
     histories = _histories(run)
-    environment = machine.environment(threads)
+    environment = machine.environment(threads) | {"isa": measured["isa"]}  # the child's
     learning_rate = learning_rate_of(run)
     figures = draw_figures(rows, reference, histories, learning_rate, folder)
     gpu_rows = on_device(rows, "cuda")
@@ -117,6 +109,7 @@ def assemble(run: Run, config, threads: int, rows: list[dict], measured: dict,
         "warnings": _warnings(run, rows, reference, config, training, measured, environment),
         "parity": measured["parity"], "figures": figures, "environment": environment,
         "timing_conditions": conditions, "profiles": measured["profiles"],
+        "crashed": measured["crashed"],
     }
 
 
@@ -156,7 +149,7 @@ def _warnings(run: Run, rows: list[dict], reference: str, config, training: dict
             + warnings_for(rows, reference, config.max_accuracy_drop, training,
                            measured["profiles"], machine.cpu_has_vnni())
             + parity_warnings(measured["parity"]) + profile.failures(measured["profiles"])
-            + isa_note(environment)
+            + isa_note(environment) + crash_warnings(measured["crashed"])
             + [f"{name} (quantize): {why}" for name, why in run.recorded_config(
                 "quantize").get("not_kept", {}).items()])
 
@@ -192,6 +185,9 @@ def summary_table(report: dict) -> str:
         lines.append(f"recommended on the {v.get('device', 'cpu').upper()}: {v['recommended']} "
                      f"({v['speedup']:.2f}x faster than {v['reference']}, "
                      f"{v['speedup_vs_best_float']:.2f}x the fastest float, "
+                     + (f"{v['speedup_vs_best_fp32']:.2f}x the fastest fp32, "
+                        if v.get("speedup_vs_best_fp32") and v["speedup_vs_best_fp32"]
+                        != v["speedup_vs_best_float"] else "") +
                      f"{v['size_ratio']:.2f}x the size, {v['accuracy_change_points']:+.2f} "
                      "points on the test split)")
     note = report["environment"].get("gpu_note")

@@ -174,9 +174,19 @@ def parity_warnings(pairs: list[dict]) -> list[str]:
 
 
 def isa_note(environment: dict) -> list[str]:
+    """The measuring process runs without training's cap (stages/report/worker.py): a cap
+    still in force is the user's own."""
     capped = environment["isa"]["onednn_max_cpu_isa"]
     if capped == "not capped":
         return []
-    return [f"oneDNN was capped at {capped} in this process (bf16 training on an AMX CPU, "
-            "whose AMX bf16 kernels gave NaN at random steps), so PyTorch's int8 timings here "
-            "exclude AMX; run 'pipeline report' on its own to time them with AMX."]
+    return [f"oneDNN was capped at {capped} (ONEDNN_MAX_CPU_ISA in the environment), so "
+            "PyTorch's and OpenVINO's timings here exclude the instructions above it; a "
+            "deployment without that variable may run other kernels."]
+
+
+def crash_warnings(crashed: list[dict]) -> list[str]:
+    return [f"{c['name']} crashed the process measuring it ({c['signal']} in {c['runtime']}, "
+            f"while {c['phase']}" + (f" at batch {c['batch_size']}" if c["batch_size"] else "")
+            + f", oneDNN {c['onednn_max_cpu_isa']}): it has no figures in this report and is "
+            "not recommended; the other variants were measured again without it."
+            for c in crashed]

@@ -1,7 +1,5 @@
-"""report.md and compare.md from the report's data: what a user reads before shipping."""
+"""report.md from the report's data: what a user reads before shipping."""
 from __future__ import annotations
-
-import json
 
 from stages import runtimes
 from stages.measure import contention
@@ -9,8 +7,6 @@ from stages.quantization import tuning
 from stages.report import profile
 from stages.report.diagnosis import depthwise_in_float_why
 from stages.report.judging import BASELINE_WORDS, SELECTION_WORDS, VALIDATION_WORDS
-from stages.run.artifacts import Run
-from stages.run.errors import UsageError
 
 
 def _ratio(r: dict) -> str:
@@ -40,7 +36,7 @@ def _verdict_paragraph(report: dict) -> list[str]:
         f"{v['validation_change_points']:+.2f} points, at worst "
         f"{v['validation_worst_change_points']:+.2f}), it has the lowest p50 latency: "
         f"{_ratio(big['speedup_vs_best_float'])} faster than the "
-        f"fastest float variant, `{big['best_float']}`, and "
+        f"fastest float variant, `{big['best_float']}`, " + _fp32_clause(big) +
         f"{_ratio(big['speedup_vs_reference'])} faster than `{ref}` eager, at "
         f"{v['size_ratio']:.2f}x its size. On the test split, which chose nothing, it scores "
         f"{v['test_accuracy']:.2%}, {v['accuracy_change_points']:+.2f} points against `{ref}` "
@@ -76,6 +72,16 @@ def _verdict_paragraph(report: dict) -> list[str]:
                   + (f"; within noise: {', '.join(f'`{n}`' for n in choice['within_noise_of'])}"
                      if choice["within_noise_of"] else "") + ".", ""]
     return lines
+
+
+def _fp32_clause(choice: dict) -> str:
+    """Where the fastest float ran in bf16 or fp16, what int8 buys over the fastest fp32 too:
+    both are figures a user can weigh (bf16 may cost accuracy that fp32 does not)."""
+    vs_fp32 = choice.get("speedup_vs_best_fp32")
+    if not vs_fp32 or vs_fp32["best_fp32"] == choice["best_float"]:
+        return "and "
+    return (f"{_ratio(vs_fp32)} faster than the fastest fp32 variant, `{vs_fp32['best_fp32']}`, "
+            "and ")
 
 
 def _timing_caveat(record: dict | None) -> list[str]:
@@ -142,6 +148,12 @@ def _models_table(report: dict) -> list[str]:
                   f"{change['high'] * 100:+.2f})",
                   f"{r['agreement']:.2%} ({r['flipped_predictions']} flipped)"]
         lines.append("| " + " | ".join(cells) + " |")
+    for c in report.get("crashed") or []:  # no figures: what killed the process measuring it
+        at = f" at batch {c['batch_size']}" if c["batch_size"] else ""
+        lines.append("| " + " | ".join(
+            [f"`{c['name']}`", "", f"crashed: {c['signal']} in {c['runtime']} while "
+             f"{c['phase']}{at} (oneDNN {c['onednn_max_cpu_isa']})"] + ["-"] * (len(head) - 3))
+            + " |")
     timing = report["models"][0]["latency_ms"][big]
     calls = [r["latency_ms"][big]["calls"] for r in rows]
     waited = max(r["latency_ms"][b].get("idle_wait_ms_max", 0.0) for r in rows for b in sizes)
@@ -355,38 +367,3 @@ def markdown(report: dict) -> str:
               + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".", ""]
     return "\n".join(lines)
 
-
-def compare_markdown(runs: list[Run]) -> tuple[dict, str]:
-    """Side by side: every variant of every run, from each run's verified report.json."""
-    table = {}
-    for other in runs:
-        try:
-            path = other.verified_path("report/report.json")
-        except UsageError:
-            raise UsageError(f"run {other.name!r} has no report yet; run 'pipeline --run "
-                             f"{other.name} report' first") from None
-        table[other.name] = json.loads(path.read_text())
-    names = [v for v in runtimes.VARIANTS if any(v in {m["name"] for m in r["models"]}
-                                                 for r in table.values())]
-    lines = ["# Runs side by side", "", "| variant | " + " | ".join(f"`{n}`" for n in table) + " |",
-             "|" + "---|" * (len(table) + 1)]
-    for variant in names:
-        cells = []
-        for data in table.values():
-            row = next((m for m in data["models"] if m["name"] == variant), None)
-            big = str(data["config"]["batch_sizes"][-1])
-            cells.append("-" if row is None else
-                         f"{row['accuracy']:.2%}, {row['size_bytes'] / 1e6:.2f} MB, "
-                         f"{row['latency_ms'][big]['p50']:.2f} ms @{big}")
-        lines.append(f"| `{variant}` | " + " | ".join(cells) + " |")
-    lines += ["", "| run | recommended | vs reference | vs fastest float | size ratio | "
-              "test change (points) |", "|---|---|---|---|---|---|"]
-    for name, data in table.items():
-        v = data["verdict"]
-        lines.append(f"| `{name}` | `{v['recommended']}` | {v['speedup']:.2f}x | "
-                     f"{v['speedup_vs_best_float']:.2f}x | {v['size_ratio']:.2f}x | "
-                     f"{v['accuracy_change_points']:+.2f} |")
-    lines += ["", "Each run's numbers come from its own report, measured when that report ran."]
-    summary = {name: {"verdict": d["verdict"], "models": d["models"],
-                      "environment": d["environment"]} for name, d in table.items()}
-    return summary, "\n".join(lines) + "\n"

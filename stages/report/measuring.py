@@ -4,6 +4,7 @@ interleaved rounds (stages/measure/timing.py)."""
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -29,6 +30,7 @@ from stages.report.judging import (
 from stages.report.recommendation import DEVICES, on_device, speedups, verdict
 from stages.run.artifacts import Run
 from stages.run.errors import UsageError
+from stages.run.isolated import Doing
 from stages.run.progress import say
 from stages.runtimes import gpu
 
@@ -57,19 +59,30 @@ def servings(run: Run, config, threads: int, scratch: Path) -> list[tuple[str, s
     return rows
 
 
-def measure_variants(run: Run, config, threads: int, scratch: Path) -> tuple[list[dict], dict]:
-    """Score every variant on the selection and test images, then time them all together."""
+def doing_text(row: str, phase: str, batch_size: int | None = None) -> str:
+    """What the measuring process is doing, as Doing holds it (stages/report/worker.py)."""
+    return json.dumps({"row": row, "phase": phase, "batch_size": batch_size})
+
+
+def measure_variants(run: Run, config, threads: int, scratch: Path, skip=(),
+                     doing: Doing = Doing()) -> tuple[list[dict], dict]:
+    """Score every variant (every row but those in ``skip``) on the selection and test images,
+    then time them all together; ``doing`` is told which row each step runs."""
     splits = splits_of_run(run)
     quantized_with = run.recorded_config("quantize")
     selection = selection_set(splits, quantized_with.get("calibration_samples", 512),
                               quantized_with.get("seed", 0))
     rows, loaded, logits, unmeasured = [], {}, {}, []
-    served = servings(run, config, threads, scratch)
+    served = [row for row in servings(run, config, threads, scratch) if row[0] not in skip]
+    if not served:
+        raise UsageError(f"run {run.name!r}: no variant could be measured ({', '.join(skip)} "
+                         "crashed)")
     for variant in dict.fromkeys(variant for _, variant, _ in served):
         run.verified_path(variant)  # every file at once: not a tampered one found minutes in
     reference = reference_of(run, [name for name, _, _ in served])
     for name, variant, load in served:
         say(f"report: loading and scoring {name} ...", quiet=config.quiet)
+        doing(doing_text(name, "loading and scoring"))
         made = load()
         if made is None:
             unmeasured.append(f"{name} not measured: ONNX Runtime here has no CUDA execution "
@@ -79,12 +92,13 @@ def measure_variants(run: Run, config, threads: int, scratch: Path) -> tuple[lis
         row, logits[name] = score(run, name, variant, made, splits, selection, reference)
         rows.append(row)
     compare_with_reference(rows, logits, reference)
-    timings, conditions = time_variants(loaded, splits, config, threads)
+    timings, conditions = time_variants(loaded, splits, config, threads, doing=doing)
     record_latencies(rows, timings, loaded, splits, config)
+    record_kernels(rows, loaded, splits, config, doing)
     speedups(rows, reference)
     return rows, {"reference": reference, "parity": parity(run, logits),
                   "unmeasured": unmeasured, "timing_conditions": conditions,
-                  "profiles": profiled(loaded, rows, reference, config, splits)}
+                  "profiles": profiled(loaded, rows, reference, config, splits, doing)}
 
 
 def score(run: Run, name: str, variant: str, made, splits, selection, reference: str):
@@ -98,6 +112,7 @@ def score(run: Run, name: str, variant: str, made, splits, selection, reference:
     row = {"name": name, "variant": variant, "device": made.device,
            "format": entry["format"], "path": entry["path"], "serving": made.serving,
            "int8": runtimes.VARIANTS[variant].int8, "size_bytes": run.shipped_bytes(variant),
+           "precision": "int8" if runtimes.VARIANTS[variant].int8 else made.precision,
            "parent": entry.get("parent"), "quantization": entry.get("quantization"),
            "op_counts": made.op_counts, "test": _accuracy(hits["test"])}
     images = judged_images(run, variant, reference)
@@ -153,7 +168,24 @@ def record_latencies(rows: list[dict], timings: dict, loaded: dict, splits, conf
             row["peak_gpu_memory_bytes"] = gpu.peak_memory(loaded[row["name"]].call_for(largest))
 
 
-def profiled(loaded: dict, rows: list[dict], reference: str, config, splits) -> dict | None:
+def record_kernels(rows: list[dict], loaded: dict, splits, config, doing: Doing) -> None:
+    """Each CPU row's `kernels` at the largest batch size: the oneDNN kernels its Conv and
+    Linear layers ran, as its runtime names them (None where the runtime does not say)."""
+    size = max(config.batch_sizes)
+    batch = timing.random_batch(splits.input_shape(size))
+    for row in rows:
+        read = loaded[row["name"]].kernels if row["device"] == "cpu" else None
+        row["kernels"] = None
+        if read is not None:
+            doing(doing_text(row["name"], "reading the kernels it runs", size))
+            try:
+                row["kernels"] = dict(sorted(read(batch).items(), key=lambda item: -item[1]))
+            except Exception as exc:  # costs the field, not the report
+                row["kernels"] = {"error": " ".join(f"{type(exc).__name__}: {exc}".split())[:300]}
+
+
+def profiled(loaded: dict, rows: list[dict], reference: str, config, splits,
+             doing: Doing = Doing()) -> dict | None:
     """Where the time goes (stages/report/profile.py), for the CPU variants the verdict
     will name, while they are still loaded."""
     cpu_rows = on_device(rows, "cpu")
@@ -163,11 +195,12 @@ def profiled(loaded: dict, rows: list[dict], reference: str, config, splits) -> 
     say(f"report: profiling where {chosen['recommended']}'s time goes ...", quiet=config.quiet)
     batch = timing.random_batch(splits.input_shape(int(chosen["batch_size"])))
     return profile.measure({name: loaded[name] for name in (r["name"] for r in cpu_rows)},
-                           cpu_rows, chosen, batch)
+                           cpu_rows, chosen, batch, announce=lambda name: doing(
+                               doing_text(name, "profiling", int(chosen["batch_size"]))))
 
 
 def time_variants(loaded: dict, splits, config, threads: int,
-                  meter: contention.Meter | None = None
+                  meter: contention.Meter | None = None, doing: Doing = Doing()
                   ) -> tuple[dict[str, dict[str, timing.Timing]], dict]:
     """Every variant of a device in the same interleaved rounds, batch size by batch size,
     until every speed-up against that device's fastest float variant is known to within
@@ -186,11 +219,13 @@ def time_variants(loaded: dict, splits, config, threads: int,
                 f"{size} ...", quiet=config.quiet)
             batch = timing.random_batch(splits.input_shape(size))
             calls = {name: item.call_for(batch) for name, item in on_this_device.items()}
+            marks = {name: doing_text(name, "timing", size) for name in calls}
             timings.setdefault(str(size), {}).update(watch.time(device, size, functools.partial(
                 timing.interleaved, calls, config.rounds, config.repeats, config.warmup,
                 max_rounds=config.max_rounds,
                 done=timing.narrow_enough(floats, config.target_interval),
-                budget_seconds=config.timing_budget, timers=timers)))
+                budget_seconds=config.timing_budget, timers=timers,
+                announce=lambda name: doing(marks[name]))))
     return timings, watch.record()
 
 

@@ -60,7 +60,8 @@ def chosen_pairs(rows: list[dict], verdict: dict) -> list[tuple[str, str | None]
     return unique
 
 
-def measure(loaded: dict, rows: list[dict], verdict: dict, batch) -> dict | None:
+def measure(loaded: dict, rows: list[dict], verdict: dict, batch,
+            announce=lambda name: None) -> dict | None:
     """report.json's `profiles`: each chosen variant's operators (ms per call, by the
     runtime's profiler) and, per pair, the table by kind. None where there is nothing to
     profile (no CPU verdict, or runtimes without a profiler)."""
@@ -73,6 +74,7 @@ def measure(loaded: dict, rows: list[dict], verdict: dict, batch) -> dict | None
         if profile is None:
             continue
         calls = calls_for(by_name[name]["latency_ms"][size]["p50"])
+        announce(name)
         try:
             operators = profile(batch, calls)
         except Exception as exc:  # a profiler that fails costs its table, not the report

@@ -42,11 +42,16 @@ class Loaded:
     call_for: Callable  # a batch -> a call without arguments, which the harness times
     op_counts: dict  # {"Conv": {"int8": n, "float": m}, ...}, of what really runs
     serving: str  # how it runs, in words, for the report
+    precision: str = "fp32"  # of its float arithmetic: fp32, bf16 or fp16 (int8 variants: int8)
     device: str = "cpu"
     timer: str = "wall"  # "wall": the host's clock; "cuda-events": the GPU's (stages/runtimes/gpu)
     # (batch, calls) -> ms per call of each operator type, by the runtime's own profiler
     # (stages/runtimes/profilers.py); None where the runtime offers none.
     profile: Callable | None = None
+    # (batch) -> how many Conv/Linear layers ran each kernel, by the name its library gives it
+    # (oneDNN's, through OpenVINO or PyTorch): which instruction set really ran. None where
+    # the runtime does not say (ONNX Runtime's MLAS).
+    kernels: Callable | None = None
 
 
 FLOAT = "float"  # a source that means the run's float model: amp, or an imported fp32

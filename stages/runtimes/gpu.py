@@ -50,8 +50,8 @@ def _torch_row(run, row: str, name: str) -> Loaded:
         return call
 
     return Loaded(lambda images: predict(model, images, device=device, autocast=context),
-                  call_for, eager_counts(model), how.words("cuda"), device="cuda",
-                  timer="cuda-events")
+                  call_for, eager_counts(model), how.words("cuda"),
+                  precision=how.autocast or "fp32", device="cuda", timer="cuda-events")
 
 
 def _float16_copy(path, scratch):
@@ -87,7 +87,7 @@ def _ort_row(run, row: str, name: str, scratch) -> Loaded | None:
     return Loaded(lambda images: ort_predict(session, images), call_for,
                   onnx_op_counts(run.verified_path(name)),
                   f"ONNX Runtime {ort.__version__}, CUDA execution provider, {precision}",
-                  device="cuda", timer="wall")
+                  precision=precision, device="cuda", timer="wall")
 
 
 def load(run, row: str, scratch) -> Loaded | None:

@@ -1,8 +1,10 @@
-"""OpenVINO: `openvino-fp32` (the ONNX model as OpenVINO IR, run with the f32 precision hint)
-and `openvino-int8` (NNCF post-training quantization on training images).
+"""OpenVINO: `openvino-fp32` (the ONNX model as OpenVINO IR, run with the f32 precision hint),
+`openvino-bf16` (the same IR run in bf16, on a CPU with bf16 instructions) and `openvino-int8`
+(NNCF post-training quantization on training images).
 
-The f32 hint matters: on CPUs with AMX or AVX-512 BF16, OpenVINO otherwise runs float models
-in bf16, which would make `openvino-fp32` neither fp32 nor a fair float baseline. An IR is an
+The hint matters: on CPUs with AMX or AVX-512 BF16, OpenVINO runs float models in bf16 unless
+told f32, so `openvino-fp32` asks for f32 and `openvino-bf16` is what a user gets by default
+there: a float variant that int8 is credited against like the others. An IR is an
 .xml graph and a .bin of weights, listed together in the manifest; reading one runs no code
 from the files (no extensions are ever added to the Core).
 """
@@ -67,8 +69,8 @@ def core():
     return _openvino().Core()
 
 
-def compile_model(model, threads: int, profiling: bool = False):
-    config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads,
+def compile_model(model, threads: int, profiling: bool = False, precision: str = "f32"):
+    config = {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": threads,
               "PERFORMANCE_HINT": "LATENCY", "PERF_COUNT": profiling}
     try:
         return core().compile_model(model, "CPU", config)
@@ -113,6 +115,19 @@ def runtime_op_counts(compiled) -> dict[str, dict[str, int]]:
         slot = counts.setdefault(kind, {"int8": 0, "float": 0})
         slot["int8" if precision in ("i8", "u8") else "float"] += 1
     return counts
+
+
+def runtime_kernels(compiled) -> dict[str, int]:
+    """How many Conv and Linear layers of the executed graph ran each oneDNN kernel, by the
+    name OpenVINO gives it (`brgconv_avx512_amx_I8` against `jit_avx512_core_vnni_I8`): whether
+    AMX ran shows here."""
+    kernels: dict[str, int] = {}
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        if info["layerType"].astype(str) in COMPUTE_LAYERS:
+            kernel = info["primitiveType"].astype(str)
+            kernels[kernel] = kernels.get(kernel, 0) + 1
+    return kernels
 
 
 def layer_names(model) -> list[str]:
@@ -256,6 +271,40 @@ def make_fp32(ctx) -> dict:
     return info
 
 
+def precision_hint(name: str) -> str:
+    """The INFERENCE_PRECISION_HINT a variant is compiled with (int8 IRs: their float layers)."""
+    return "bf16" if name == "openvino-bf16" else "f32"
+
+
+@variant("openvino-bf16", runtime="openvino", source="openvino-fp32", int8=False,
+         description="openvino-fp32's IR run in bf16, OpenVINO's default on a CPU with bf16 "
+                     "instructions")
+def make_bf16(ctx) -> dict:
+    """No new file: openvino-fp32's IR under the bf16 hint, scored against it (a bf16 kernel
+    that loses accuracy is refused, with its record)."""
+    from stages.measure.machine import cpu_has_bf16
+
+    if not cpu_has_bf16():
+        return ctx.refuse("openvino-bf16", "not made: this CPU has no bf16 instructions "
+                          "(AVX-512 BF16 or AMX), where OpenVINO would emulate bf16 more slowly "
+                          "than it runs f32")
+    xml = ctx.run.verified_path("openvino-fp32")
+    model = core().read_model(str(xml))
+    fp32_predict = runner(compile_model(model, ctx.threads))[0]
+    bf16_predict = runner(compiled := compile_model(model, ctx.threads, precision="bf16"))[0]
+    record = ctx.score_without_search("openvino-bf16", bf16_predict, fp32_predict,
+                                      {"precision_hint": "bf16"})
+    if record["chosen"] is None:
+        return ctx.not_kept("openvino-bf16", record)
+    images = ctx.check_images()
+    info = {"precision_hint": "bf16", "tuning": record,
+            "parity_vs_openvino_fp32": compare_logits(fp32_predict(images),
+                                                      bf16_predict(images))}
+    ctx.register("openvino-bf16", xml, info, fmt="openvino",
+                 companions=(xml.with_suffix(".bin"),), op_counts=runtime_op_counts(compiled))
+    return info
+
+
 def _int8_backend(ctx, fp32_model, calibration) -> tuning.Backend:
     nncf = _nncf()
     dataset = nncf.Dataset([batch.numpy() for batch in calibration])
@@ -337,11 +386,14 @@ def load(run, name: str, threads: int) -> Loaded:
     except Exception as exc:
         raise PipelineError(f"{name}: OpenVINO cannot read {path}: "
                             f"{str(exc).strip().splitlines()[0][:200]}") from exc
-    compiled = compile_model(model, threads)
+    hint = precision_hint(name)
+    compiled = compile_model(model, threads, precision=hint)
     predict, call_for = runner(compiled)
-    precision = {"openvino-int8": "int8 (NNCF)", "openvino-qat": "int8 (QAT's QDQ model)"}.get(
-        name, "f32 hint")
+    int8 = {"openvino-int8": "int8 (NNCF)", "openvino-qat": "int8 (QAT's QDQ model)"}.get(name)
     return Loaded(predict, call_for, runtime_op_counts(compiled),
-                  f"OpenVINO {ov.get_version().split('-')[0]}, {precision}",
+                  f"OpenVINO {ov.get_version().split('-')[0]}, {int8 or f'{hint} hint'}",
+                  precision="int8" if int8 else {"f32": "fp32"}.get(hint, hint),
                   profile=lambda batch, calls: profilers.openvino_profile(
-                      compile_model(model, threads, profiling=True), batch, calls))
+                      compile_model(model, threads, profiling=True, precision=hint), batch,
+                      calls),
+                  kernels=lambda batch: runtime_kernels(compiled))

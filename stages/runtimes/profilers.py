@@ -132,3 +132,39 @@ def _native_stderr_silenced():
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+
+
+def onednn_kernels(call: Callable[[], object]) -> dict[str, int]:
+    """How many times one call ran each oneDNN kernel, as "<primitive> <implementation>"
+    ("convolution brg_conv_fwd:avx512_core_amx"), read from oneDNN's verbose output
+    (ONEDNN_VERBOSE's, switched on for the one call): which instruction set PyTorch's
+    convolutions and linear layers really ran. oneDNN prints it with C's stdio on file
+    descriptor 1, which is pointed at a file meanwhile."""
+    import ctypes
+
+    import torch
+
+    libc = ctypes.CDLL(None)
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 1)
+        try:
+            with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                call()
+        finally:
+            libc.fflush(None)
+            os.dup2(saved, 1)
+            os.close(saved)
+        captured.seek(0)
+        lines = captured.read().decode(errors="replace").splitlines()
+    kernels: dict[str, int] = {}
+    for line in lines:
+        fields = line.split(",")
+        if fields[0] != "onednn_verbose" or "exec" not in fields:
+            continue
+        at = fields.index("exec")
+        if len(fields) > at + 3 and fields[at + 2] != "reorder":
+            kernel = f"{fields[at + 2]} {fields[at + 3]}"
+            kernels[kernel] = kernels.get(kernel, 0) + 1
+    return kernels

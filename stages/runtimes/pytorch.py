@@ -105,6 +105,41 @@ def make_compiled(ctx) -> dict:
     return info
 
 
+@variant("amp-compiled", runtime="pytorch", source=FLOAT, int8=False,
+         description="the float weights under torch.compile in bf16 autocast: the AMP model "
+                     "as Inductor serves it, on a CPU with bf16 instructions")
+def make_bf16_compiled(ctx) -> dict:
+    """No new file, like fp32-compiled; scored against the float model on the held-out images
+    (a bf16 kernel that loses accuracy is refused, with its record)."""
+    from stages.measure.machine import cpu_has_bf16
+
+    if not cpu_has_bf16():
+        return ctx.refuse("amp-compiled", "not made: this CPU has no bf16 instructions "
+                          "(AVX-512 BF16 or AMX), where bf16 is emulated more slowly than fp32")
+    info = {"compiler": "torch.compile(dynamic=False), Inductor freezing and C++ wrapper",
+            "autocast": "bf16"}
+
+    def check() -> None:
+        model = ctx.float_model()
+        images = ctx.check_images()
+        compiled = inductor.compiled_once(ctx.run.entry(ctx.source)["sha256"], "float-bf16",
+                                          lambda: autocast_module(copy.deepcopy(model), "bf16"))
+        record = ctx.score_without_search(
+            "amp-compiled", functools.partial(inductor.predict_compiled, compiled),
+            lambda images: predict(model, images), {"autocast": "bf16"})
+        if record["chosen"] is None:
+            ctx.not_kept("amp-compiled", record)
+            return
+        counts = inductor.compiled_counts(compiled, images[:inductor.COMPILED_BATCH])
+        info.update(tuning=record, parity_vs_source=compare_logits(
+            predict(model, images), inductor.predict_compiled(compiled, images)))
+        ctx.register("amp-compiled", ctx.run.verified_path(ctx.source), info, fmt="pytorch",
+                     op_counts=counts)
+
+    ctx.after_exports("amp-compiled", check)
+    return info
+
+
 def _backend(ctx, calibration) -> tuning.Backend:
     spec = ctx.spec
     # Exported once per source model: export is most of a trial's time (4.4 of 7.3 s on
@@ -241,6 +276,24 @@ def make_static(ctx) -> dict:
 # ---------------------------------------------------------------- serving
 
 
+def autocast_module(module, precision: str):
+    """``module`` run under ``precision``'s autocast inside its forward, so that torch.compile
+    traces the autocast region (and, with freezing, folds the weights' casts into constants)."""
+    import torch
+
+    class Autocast(torch.nn.Module):
+        def __init__(self, module, precision: str):
+            super().__init__()
+            self.module, self.dtype = module, {"bf16": torch.bfloat16,
+                                               "fp16": torch.float16}[precision]
+
+        def forward(self, images):
+            with torch.autocast(images.device.type, dtype=self.dtype):
+                return self.module(images).float()
+
+    return Autocast(module, precision).eval()
+
+
 @dataclass(frozen=True)
 class Serving:
     """How a PyTorch variant runs, read from its manifest entry: what the report measures,
@@ -256,11 +309,22 @@ class Serving:
         return pt2e.load_pt2e(run, self.source) if self.graph else \
             load_float_module(run, self.source)
 
+    def compiled_module(self, run):
+        """What is compiled: the module, under its autocast where it has one."""
+        module = self.load(run)
+        return autocast_module(module, self.autocast) if self.autocast else module
+
+    @property
+    def kind(self) -> str:
+        """What was compiled, for inductor.compiled_once's key."""
+        return "pt2e" if self.graph else f"float-{self.autocast}" if self.autocast else "float"
+
     def context(self, device_type: str):
-        """A context factory the model runs under: autocast, or nothing."""
+        """A context factory the model runs under: autocast, or nothing (a compiled model
+        runs its autocast inside: `compiled_module`)."""
         import torch
 
-        if self.autocast is None:
+        if self.autocast is None or self.compiled:
             return contextlib.nullcontext
         dtype = torch.bfloat16 if self.autocast == "bf16" else torch.float16
         return lambda: torch.autocast(device_type, dtype=dtype)
@@ -271,7 +335,8 @@ class Serving:
         if self.graph:
             return "PT2E int8, torch.compile (Inductor)"
         if self.compiled:
-            return f"torch.compile (Inductor{', freezing' if not on else ''}){on}, fp32"
+            return (f"torch.compile (Inductor{', freezing' if not on else ''}){on}, "
+                    + (f"{self.autocast} autocast" if self.autocast else "fp32"))
         if self.autocast:
             return f"eager PyTorch{on} under {self.autocast} autocast, as trained"
         return f"eager PyTorch{on}, fp32"
@@ -283,6 +348,8 @@ def serving(run, name: str) -> Serving:
     entry = run.entry(name)
     if name == "fp32-compiled":
         return Serving(entry["parent"], graph=False, compiled=True, autocast=None)
+    if name == "amp-compiled":
+        return Serving(entry["parent"], graph=False, compiled=True, autocast="bf16")
     if name in FLOAT_MODELS:
         precision = (entry.get("training") or {}).get("precision", "fp32")
         autocast = precision if name == "amp" and precision in ("bf16", "fp16") else None
@@ -299,10 +366,10 @@ def serve(run, name: str, device: str = "cpu"):
     how = serving(run, name)
     if how.compiled and device == "cpu":
         run.verified_path(how.source)
-        model = inductor.compiled_once(run.entry(how.source)["sha256"],
-                                       "pt2e" if how.graph else "float", lambda: how.load(run))
+        model = inductor.compiled_once(run.entry(how.source)["sha256"], how.kind,
+                                       lambda: how.compiled_module(run))
     else:
-        model = how.load(run).to(device)
+        model = (how.compiled_module(run) if how.compiled else how.load(run)).to(device)
         if device == "cuda":  # as training runs on a GPU, and cuDNN's tensor cores want NHWC
             model = model.to(memory_format=torch.channels_last)
         if how.compiled:
@@ -323,5 +390,7 @@ def load(run, name: str, threads: int) -> Loaded:
         predict_fn = functools.partial(predict, model, autocast=context)
         counts = eager_counts(model)
     return Loaded(predict_fn, lambda batch: _call(model, batch, context), counts,
-                  how.words("cpu"), profile=lambda batch, calls: profilers.torch_profile(
-                      _call(model, batch, context), calls))
+                  how.words("cpu"), precision="int8" if how.graph else how.autocast or "fp32",
+                  profile=lambda batch, calls: profilers.torch_profile(
+                      _call(model, batch, context), calls),
+                  kernels=lambda batch: profilers.onednn_kernels(_call(model, batch, context)))

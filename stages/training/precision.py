@@ -6,6 +6,8 @@ import contextlib
 import os
 from dataclasses import dataclass
 
+from stages.run.isolated import CAPPED_FOR_TRAINING
+
 # oneDNN 3.12 (torch 2.14) has AMX bf16 convolution bugs that give silently wrong results
 # (oneDNN PR #5494: stride larger than the kernel, as in ResNet's 1x1 stride-2 shortcuts at
 # small sizes; pytorch#169688): bf16 training of resnet18 went NaN at a different step in each
@@ -43,9 +45,6 @@ def resolve_device(device: str):
     return torch.device(device)
 
 
-NATIVE_BF16 = ("avx512_bf16", "amx_bf16")
-
-
 def resolve_precision(precision: str, device) -> Precision:
     """auto: float16 with GradScaler on CUDA (tensor cores); on a CPU, bfloat16 where the CPU
     has bf16 instructions (AVX-512 BF16, AMX), else float32: elsewhere bf16 is emulated, and
@@ -54,9 +53,9 @@ def resolve_precision(precision: str, device) -> Precision:
         return Precision(precision)
     if device.type == "cuda":
         return Precision("fp16")
-    from stages.measure.machine import cpu_info
+    from stages.measure.machine import cpu_has_bf16
 
-    return Precision("bf16" if set(NATIVE_BF16) & set(cpu_info()["flags"]) else "fp32")
+    return Precision("bf16" if cpu_has_bf16() else "fp32")
 
 
 def auto_precision_note(precision: Precision, asked: str, device) -> str | None:
@@ -84,6 +83,9 @@ def cap_isa_for_bf16_training(precision: str, device: str) -> str | None:
         if torch.cuda.is_available():  # training goes to the GPU
             return None
     os.environ["ONEDNN_MAX_CPU_ISA"] = AMX_SAFE_ISA
+    # Marked as training's, so that what times or serves a variant runs in a process of its
+    # own without it (stages/run/isolated.py): a deployment gets AMX.
+    os.environ[CAPPED_FOR_TRAINING] = AMX_SAFE_ISA
     return AMX_SAFE_ISA
 
 

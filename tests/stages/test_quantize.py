@@ -9,13 +9,14 @@ import torch
 from pipeline.config import QuantizeConfig, ReportConfig, TrainConfig
 from stages import quantize, runtimes, train
 from stages.data.datasets import load_splits
+from stages.measure import machine
 from stages.measure.evaluate import predict
 from stages.run import artifacts, loading
 from stages.run.errors import PipelineError, UsageError
 from stages.runtimes import inductor, pt2e
 from stages.runtimes import onnxruntime as ort_runtime
 from stages.runtimes import pytorch as torch_runtime
-from tests.conftest import FROM_QUANTIZE, TINY_TRAIN
+from tests.conftest import FROM_QUANTIZE, QUANTIZE_METHODS, TINY_TRAIN
 
 
 def _op_types(path):
@@ -239,7 +240,7 @@ def test_a_qdq_model_onnx_runtime_leaves_unfused_is_not_kept(fresh_tiny_run, mon
 def test_quantize_records_what_it_chose_from(tiny_run):
     config = json.loads((tiny_run["run"].root / "config.json").read_text())
     assert config["quantize"]["source"] == "amp"
-    assert config["quantize"]["methods"] == FROM_QUANTIZE[2:]  # all it makes, in its order
+    assert config["quantize"]["methods"] == QUANTIZE_METHODS  # all it makes, in its order
 
 
 def test_auto_goes_on_to_qat_only_when_every_post_training_variant_misses_the_budget():
@@ -380,3 +381,31 @@ def test_no_equalize_makes_ort_static_from_the_float_model_as_it_is(cheap_run):
     equalized = cheap_run.entry("ort-static")
     assert equalized["quantization"]["equalize"] is True
     assert equalized["sha256"] != plain["sha256"]  # other int8 weights, not a relabelled file
+
+
+def test_bf16_variants_are_made_only_where_the_cpu_has_bf16_instructions(fresh_tiny_run,
+                                                                          monkeypatch):
+    """Elsewhere bf16 is emulated, slower than fp32: neither float contender is made, and the
+    run's record says why (the report lists it)."""
+    monkeypatch.setattr(machine, "cpu_has_bf16", lambda: False)
+    quantize.run(QuantizeConfig(methods="amp-compiled,openvino-bf16", calibration_samples=64,
+                                quiet=True), fresh_tiny_run)
+    refused = fresh_tiny_run.recorded_config("quantize")["not_kept"]
+    assert set(refused) == {"amp-compiled", "openvino-bf16"}
+    assert all("this CPU has no bf16 instructions" in why for why in refused.values())
+    assert not {"amp-compiled", "openvino-bf16"} & set(fresh_tiny_run.artifacts())
+    assert "openvino-fp32" in fresh_tiny_run.artifacts()  # the source was made all the same
+
+
+@pytest.mark.skipif(not machine.cpu_has_bf16(), reason="bf16 variants need bf16 instructions")
+def test_bf16_variants_are_float_variants_run_in_bf16(tiny_run):
+    """On a CPU with bf16 instructions: openvino-fp32's IR under OpenVINO's bf16 hint, and the
+    float weights compiled under bf16 autocast, both scored against their float source."""
+    rows = {m["name"]: m for m in tiny_run["report"]["models"]}
+    for name, source in (("openvino-bf16", "openvino-fp32"), ("amp-compiled", "amp")):
+        row = rows[name]
+        assert (row["int8"], row["precision"], row["parent"]) == (False, "bf16", source)
+        assert row["quantization"]["tuning"]["chosen"] is not None
+    assert "bf16 hint" in rows["openvino-bf16"]["serving"]
+    assert any("bf16" in kernel for kernel in rows["openvino-bf16"]["kernels"])
+    assert rows["amp-compiled"]["serving"].endswith("bf16 autocast")

@@ -81,6 +81,30 @@ def test_the_verdict_chooses_on_validation_images_never_on_the_test_split(tiny_r
     assert v["test_accuracy"] == models[v["recommended"]]["test"]["accuracy"]
 
 
+def test_a_bf16_float_variant_is_the_fastest_float_and_the_fastest_fp32_is_named_beside_it():
+    """On a CPU with bf16 instructions openvino-bf16 is a float variant like the others: int8
+    is credited against it, and the verdict says what int8 buys over the fastest fp32 too."""
+    from stages.report.markdown import _fp32_clause
+
+    rows = [_row("fp32", [10.0] * 6, 0.0, int8=False) | {"precision": "fp32"},
+            _row("onnx-fp32", [5.0] * 6, 0.0, int8=False) | {"precision": "fp32"},
+            _row("openvino-bf16", [4.0] * 6, 0.0, int8=False) | {"precision": "bf16"},
+            _row("openvino-int8", [2.0] * 6, 0.0) | {"precision": "int8"}]
+    recommendation.speedups(rows, "fp32")
+    v = recommendation.verdict(rows, "fp32", budget_points=1.0)
+    choice = v["per_batch_size"]["32"]
+    assert (v["recommended"], choice["best_float"]) == ("openvino-int8", "openvino-bf16")
+    assert choice["speedup_vs_best_fp32"]["best_fp32"] == "onnx-fp32"
+    assert v["speedup_vs_best_float"] == pytest.approx(2.0)
+    assert v["speedup_vs_best_fp32"] == pytest.approx(2.5)
+    assert "2.50x (2.50–2.50) faster than the fastest fp32 variant, `onnx-fp32`" in (
+        _fp32_clause(choice))
+    fp32_only = [r for r in rows if r["name"] != "openvino-bf16"]  # no bf16: one figure
+    recommendation.speedups(fp32_only, "fp32")
+    assert _fp32_clause(recommendation.verdict(fp32_only, "fp32", 1.0)["per_batch_size"][
+        "32"]) == "and "
+
+
 def test_where_validation_and_test_disagree_validation_decides():
     """ort-static keeps within the budget on validation images and loses 5 points on test;
     torch-static misses it on validation and loses nothing on test. The one chosen is the one
@@ -591,3 +615,30 @@ def test_peak_memory_not_measured_is_said_so_and_not_printed_as_zero(tiny_run):
     mixed = "\n".join(_training(report))
     assert ("Peak memory of `fp32` is the peak RSS of its process; of `amp` was not measured "
             "(--no-measure-memory). Every later stage") in mixed
+
+
+def test_a_variant_that_crashes_its_runtime_costs_its_row_not_the_report(cheap_run, monkeypatch):
+    """ort-static's calls die of a real SIGSEGV in the measuring process: the report stage
+    completes, ort-static has a row that says what happened, and the rest is measured."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+    from stages.report import worker
+
+    monkeypatch.setattr(worker, "CHILD", "tests.stages.crashing_child:measure_crashing")
+    result = CliRunner().invoke(cli, ["--artifacts-dir", str(cheap_run.artifacts_dir), "--run",
+                                      cheap_run.name, "--quiet", "report", "--batch-sizes", "32",
+                                      "--rounds", "3", "--max-rounds", "3"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(cheap_run.verified_path("report/report.json").read_text())
+    assert [c["name"] for c in data["crashed"]] == ["ort-static"]
+    crash = data["crashed"][0]
+    assert (crash["signal"], crash["phase"], crash["batch_size"]) == ("SIGSEGV", "timing", 32)
+    assert crash["runtime"].startswith("onnxruntime ")
+    names = [m["name"] for m in data["models"]]
+    assert "ort-static" not in names and {"amp", "onnx-fp32"} <= set(names)
+    assert any(w.startswith("ort-static crashed") for w in data["warnings"])
+    assert "| `ort-static` |  | crashed: SIGSEGV in onnxruntime" in (
+        cheap_run.root / "report" / "report.md").read_text()
+    assert json.loads((cheap_run.root / "manifest.json").read_text())["stages"]["report"][
+        "status"] == "complete"
