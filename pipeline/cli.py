@@ -286,6 +286,9 @@ def quantize(ctx: click.Context, **flags) -> Processor:
                    "fastest float variant (the report's headline ratio).")
 @click.option("--compare", multiple=True, metavar="RUN[,RUN...]",
               help="Also put these runs' reports side by side with this one (compare.md).")
+@click.option("--time-below-amx/--no-time-below-amx", default=None,
+              help="On a CPU with AMX, also time the int8 and bf16 variants that run oneDNN "
+                   "with it capped below AMX, and say where that is faster.  [default: on]")
 @run_options
 @click.pass_context
 def report(ctx: click.Context, **flags) -> Processor:

@@ -263,6 +263,9 @@ class ReportConfig:
     fail_under_float_speedup: float = 0.0  # against the fastest float variant; 0: never fail
     compare: tuple[str, ...] = ()
     device: str = "auto"  # auto: GPU rows too where there is a CUDA device; cpu: none
+    # On an AMX CPU, time the int8 and bf16 variants that run oneDNN again with it capped below
+    # AMX (stages/report/worker.py), where AMX can lose.
+    time_below_amx: bool = True
     quiet: bool = False
 
     def __post_init__(self) -> None:

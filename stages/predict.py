@@ -160,6 +160,14 @@ def arguments(doc: str, folder: Path):
     if problem:
         print(f"predict.py: {problem}", file=sys.stderr)
         sys.exit(1)
+    # As the report found the variant fastest (a oneDNN cap below AMX, say), unless the user
+    # set it: before the runtime is imported, since oneDNN reads it once per process.
+    import json
+    import os
+
+    serving = json.loads((folder / "manifest.json").read_text())["serving"]
+    for name, value in serving.get("environment", {}).items():
+        os.environ.setdefault(name, value)
     return args
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from stages import predict, runtimes
 from stages.data import preprocess
 from stages.data.datasets import preprocessing_of_run
+from stages.report.recommendation import cap_that_pays
 from stages.run.artifacts import Run, versions
 from stages.run.errors import UsageError
 from stages.run.files import sha256_file
@@ -69,6 +70,18 @@ def _save_torch(run: Run, name: str, folder: Path) -> dict:
         {0: torch.export.Dim("batch", min=1)},))
     torch.export.save(program, str(folder / "model.pt2"))
     return {"compile": how.compiled, "autocast": how.autocast}
+
+
+def _environment(run: Run, name: str) -> dict:
+    """The oneDNN cap under which the run's report timed the variant faster than with AMX, at
+    its verdict's batch size, for predict.py to set before its runtime loads (oneDNN reads it
+    once per process); nothing where there is no such finding."""
+    if "report/report.json" not in run.artifacts():
+        return {}
+    report = json.loads(run.verified_path("report/report.json").read_text())
+    row = next((r for r in report["models"] if r["name"] == name), None)
+    cap = row and cap_that_pays(row, str(report["verdict"]["batch_size"]))
+    return {"environment": {"ONEDNN_MAX_CPU_ISA": cap}} if cap else {}
 
 
 def check_out_dir(out_dir: Path) -> None:
@@ -118,6 +131,7 @@ def run(config, run: Run) -> Path:
         else:
             serving |= _save_torch(run, name, folder)
             say(f"export: {CODE_WARNING}", quiet=False)
+        serving |= _environment(run, name)
         (folder / "preprocessing.json").write_text(json.dumps(spec, indent=2) + "\n")
         shutil.copyfile(preprocess.__file__, folder / "preprocess.py")
         shutil.copyfile(predict.__file__, folder / "predict_loop.py")

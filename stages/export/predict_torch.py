@@ -12,14 +12,13 @@ from pathlib import Path
 
 import predict_loop
 import preprocess
-import torch
-import torch._inductor.config
-import torch._inductor.lowering  # noqa: F401  registers PyTorch's quantized_decomposed ops
 
 HERE = Path(__file__).resolve().parent
 
 
 def logits_of(model, autocast):
+    import torch
+
     def run(batch):
         with torch.inference_mode(), torch.autocast("cpu", dtype=autocast,
                                                     enabled=autocast is not None):
@@ -31,6 +30,11 @@ def logits_of(model, autocast):
 if __name__ == "__main__":
     args = predict_loop.arguments(__doc__, HERE)  # before the model loads: --help, sha256
     serving = json.loads((HERE / "manifest.json").read_text())["serving"]
+    # After arguments(), which sets the environment the report timed the variant in.
+    import torch
+    import torch._inductor.config
+    import torch._inductor.lowering  # noqa: F401  registers PyTorch's quantized_decomposed ops
+
     model = torch.export.load(str(HERE / "model.pt2")).module()
     if serving.get("compile"):
         torch._inductor.config.freezing = True  # weights as constants: oneDNN's int8 kernels

@@ -17,11 +17,17 @@ from pathlib import Path
 
 from stages.measure import contention, machine
 from stages.report import plots, profile
-from stages.report.diagnosis import crash_warnings, isa_note, parity_warnings, warnings_for
 from stages.report.compare import compare_markdown
+from stages.report.diagnosis import (
+    amx_warnings,
+    crash_warnings,
+    isa_note,
+    parity_warnings,
+    warnings_for,
+)
 from stages.report.markdown import markdown
-from stages.report.worker import measure
 from stages.report.recommendation import check_gates, device_reference, on_device, verdict
+from stages.report.worker import measure
 from stages.run.artifacts import Run, open_run
 from stages.run.files import atomic_write_json, atomic_write_text
 from stages.runtimes import gpu
@@ -150,6 +156,7 @@ def _warnings(run: Run, rows: list[dict], reference: str, config, training: dict
                            measured["profiles"], machine.cpu_has_vnni())
             + parity_warnings(measured["parity"]) + profile.failures(measured["profiles"])
             + isa_note(environment) + crash_warnings(measured["crashed"])
+            + amx_warnings(rows, str(max(config.batch_sizes)))
             + [f"{name} (quantize): {why}" for name, why in run.recorded_config(
                 "quantize").get("not_kept", {}).items()])
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from stages.measure.evaluate import PARITY_MIN_AGREEMENT
 from stages.report import profile
-from stages.report.recommendation import accuracy_drop, worst_accuracy_drop
+from stages.report.recommendation import accuracy_drop, cap_that_pays, worst_accuracy_drop
 
 NO_VNNI = ("this CPU has no VNNI, so int8 kernels multiply through 16-bit steps that saturate "
            "(oneDNN's 'Nuances of int8 computations') and run little faster than float ones; "
@@ -182,6 +182,26 @@ def isa_note(environment: dict) -> list[str]:
     return [f"oneDNN was capped at {capped} (ONEDNN_MAX_CPU_ISA in the environment), so "
             "PyTorch's and OpenVINO's timings here exclude the instructions above it; a "
             "deployment without that variable may run other kernels."]
+
+
+def amx_warnings(rows: list[dict], size: str) -> list[str]:
+    """A variant that ran faster with oneDNN capped below AMX, with both figures: export runs
+    it that way."""
+    found = []
+    for row in rows:
+        cap = cap_that_pays(row, size)
+        if cap:
+            below = row["below_amx"]
+            ratio = below["amx_speedup"][size]
+            found.append(
+                f"{row['name']} ran {1 / ratio['ratio']:.2f}x ({1 / ratio['high']:.2f}–"
+                f"{1 / ratio['low']:.2f}) faster with oneDNN capped below AMX "
+                f"(ONEDNN_MAX_CPU_ISA={cap}) than with it: "
+                f"{below['latency_ms'][size]['p50']:.2f} against "
+                f"{row['latency_ms'][size]['p50']:.2f} ms p50 at batch {size}. The table gives "
+                "its time with AMX, as a process without that variable runs it; "
+                "'pipeline export' sets the variable in its folder's predict.py.")
+    return found
 
 
 def crash_warnings(crashed: list[dict]) -> list[str]:

@@ -55,6 +55,14 @@ def speedups(rows: list[dict], reference: str) -> None:
                         best_fp32, row, size) | {"best_fp32": best_fp32["name"]}
 
 
+def cap_that_pays(row: dict, size: str) -> str | None:
+    """The oneDNN cap (ONEDNN_MAX_CPU_ISA) under which ``row`` ran faster than with AMX at
+    batch ``size``, beyond noise (stages/report/worker.py: time_below_amx); else None."""
+    below = row.get("below_amx") or {}
+    faster = below.get("amx_speedup", {}).get(size)
+    return below["onednn_max_cpu_isa"] if faster and faster["high"] < 1.0 else None
+
+
 def accuracy_drop(row: dict, split: str = "validation") -> float:
     """Points of accuracy lost against the reference on ``split`` (negative: gained)."""
     return -row[split]["change_vs_reference"]["difference"] * 100

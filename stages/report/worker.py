@@ -15,32 +15,40 @@ measured on a Xeon with AMX:
 Timing in a child, rather than training in one, keeps one place for both; its cost is the
 child's start and the compiles that quantize's process had already made (each compiled
 variant is compiled again here).
+
+On a CPU with AMX a second child times the int8 and bf16 variants that run oneDNN (PyTorch's,
+OpenVINO's) with oneDNN capped below AMX: at 32x32 the default run's openvino-int8 ran faster
+that way. Each such row gets `below_amx`, and a variant faster there beyond noise a warning;
+`pipeline export` writes the cap into that variant's folder (stages/export).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from stages.measure import machine
-from stages.report.measuring import measure_variants
+from stages.data.datasets import splits_of_run
+from stages.measure import machine, timing
+from stages.report.measuring import measure_variants, time_variants
 from stages.run import isolated
-from stages.run.artifacts import Run, open_run, versions
+from stages.run.artifacts import Run, versions
 from stages.run.errors import PipelineError
 from stages.run.progress import say
-from stages.runtimes import VARIANTS, gpu
+from stages.runtimes import VARIANTS, gpu, load
+
+BELOW_AMX = "AVX512_CORE_BF16"  # the highest oneDNN ISA without AMX (VNNI and BF16 kept)
+ONEDNN_RUNTIMES = ("pytorch", "openvino")  # whose kernels the cap reaches (not ORT's MLAS)
 
 # The function the child runs; a test points it at a wrapper that crashes a variant.
 CHILD = "stages.report.worker:measure_in_child"
 RUNTIME_PACKAGES = {"pytorch": "torch", "onnxruntime": "onnxruntime", "openvino": "openvino"}
 
 
-def measure_in_child(doing: isolated.Doing, artifacts_dir: Path, run_name: str, config,
-                     threads: int, scratch: Path, skip: list[str]):
+def measure_in_child(doing: isolated.Doing, run: Run, config, threads: int, scratch: Path,
+                     skip: list[str]):
     """In the child: measure_variants on the run, and the instruction set it ran with."""
     import torch
 
     torch.set_num_threads(threads)
-    run = open_run(artifacts_dir, run_name)
     rows, measured = measure_variants(run, config, threads, scratch, skip=skip, doing=doing)
     return rows, measured | {"isa": machine.isa()}
 
@@ -51,8 +59,8 @@ def measure(run: Run, config, threads: int, scratch: Path) -> tuple[list[dict], 
     crashed: list[dict] = []
     while True:
         try:
-            rows, measured = isolated.call(CHILD, run.artifacts_dir, run.name, config, threads,
-                                           scratch, [c["name"] for c in crashed])
+            rows, measured = isolated.call(CHILD, run, config, threads, scratch,
+                                           [c["name"] for c in crashed])
         except isolated.Crashed as crash:
             record = crash_record(crash)
             if record is None or record["name"] in {c["name"] for c in crashed}:
@@ -63,7 +71,59 @@ def measure(run: Run, config, threads: int, scratch: Path) -> tuple[list[dict], 
                 f"{record['phase']}); measuring the other variants again without it",
                 quiet=config.quiet)
             continue
+        if config.time_below_amx:
+            time_below_amx(run, config, threads, rows)
         return rows, measured | {"crashed": crashed}
+
+
+def amx_unused() -> bool:
+    """No AMX to cap: the CPU has none, or the user capped oneDNN themselves."""
+    return (not {"amx_int8", "amx_bf16"} & set(machine.cpu_info()["flags"])
+            or "ONEDNN_MAX_CPU_ISA" in isolated.deployment_environment())
+
+
+def time_below_amx(run: Run, config, threads: int, rows: list[dict]) -> None:
+    """Each int8 or bf16 CPU row that runs oneDNN gets `below_amx`: its latency with oneDNN
+    capped at BELOW_AMX, timed in a child of its own in the same harness, and `amx_speedup`,
+    how many times faster it ran with AMX than without (below 1: AMX lost)."""
+    names = [row["name"] for row in rows if row["device"] == "cpu"
+             and row["precision"] in ("int8", "bf16")
+             and VARIANTS[row["variant"]].runtime in ONEDNN_RUNTIMES]
+    if not names or amx_unused():
+        return
+    say(f"report: timing {len(names)} variants again with oneDNN capped at {BELOW_AMX} ...",
+        quiet=config.quiet)
+    try:
+        below = isolated.deployment_environment() | {"ONEDNN_MAX_CPU_ISA": BELOW_AMX}
+        timings, isa = isolated.call("stages.report.worker:time_in_child", run, config,
+                                     threads, names, environment=below)
+    except isolated.Crashed as crash:  # the comparison is lost, not the report
+        say(f"report: timing below AMX stopped: {crash}", quiet=config.quiet)
+        return
+    for row in rows:
+        if row["name"] not in names:
+            continue
+        latency, faster = {}, {}
+        for size, by_name in timings.items():
+            capped = by_name[row["name"]]
+            latency[size] = capped.summary()
+            with_amx = timing.Timing([[ms / 1000 for ms in calls]
+                                      for calls in row["latency_ms"][size]["rounds_ms"]])
+            faster[size] = timing.speedup(capped, with_amx)
+        row["below_amx"] = {"onednn_max_cpu_isa": isa["onednn_max_cpu_isa"],
+                            "latency_ms": latency, "amx_speedup": faster}
+
+
+def time_in_child(doing: isolated.Doing, run: Run, config, threads: int,
+                  names: list[str]) -> tuple[dict, dict]:
+    """In the capped child: the named variants timed together, as in measure_variants, and
+    the instruction set the child ran with."""
+    import torch
+
+    torch.set_num_threads(threads)
+    loaded = {name: load(run, name, threads) for name in names}
+    timings = time_variants(loaded, splits_of_run(run), config, threads, doing=doing)[0]
+    return timings, machine.isa()
 
 
 def crash_record(crash: isolated.Crashed) -> dict | None:

@@ -13,7 +13,6 @@ import importlib
 import multiprocessing
 import os
 import signal
-from dataclasses import dataclass
 from typing import Any
 
 # Set beside ONEDNN_MAX_CPU_ISA by the one place that caps it for training
@@ -72,7 +71,9 @@ def call(target: str, *args: Any, environment: dict[str, str] | None = None) -> 
     context = multiprocessing.get_context("spawn")
     buffer = context.RawArray("c", DOING_BYTES)
     receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_child, args=(target, send, buffer, *args), daemon=True)
+    # Not a daemon: a daemonic process may not start processes of its own (Inductor's compile
+    # workers may); the parent ends it wherever it stops waiting for it.
+    child = context.Process(target=_child, args=(target, send, buffer, *args))
     with _environment(deployment_environment() if environment is None else environment):
         child.start()
     send.close()
@@ -126,6 +127,9 @@ def _child(target: str, send, buffer, *args) -> None:
     try:
         result = (True, getattr(importlib.import_module(module), name)(Doing(buffer), *args))
     except BaseException as exc:  # noqa: BLE001  every failure goes back to the parent
+        import traceback
+
+        exc.add_note(f"in the child process {target}:\n{traceback.format_exc()}")  # --debug
         result = (False, exc)
     try:
         send.send(result)

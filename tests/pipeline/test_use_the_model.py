@@ -1,5 +1,6 @@
 """What was compressed, used in one line: pipeline.load, pipeline predict, pipeline export."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -239,3 +240,36 @@ def test_other_runtimes_export_and_predict_the_same_top_1(tiny_run, tmp_path, na
     # tiny model's near ties may flip, one image in twelve at most.
     allowed = 1 if name == "amp" else 0
     assert len(theirs) == len(ours) and sum(a != b for a, b in zip(theirs, ours)) <= allowed
+
+
+def test_an_export_sets_the_onednn_cap_its_variant_ran_faster_under(cheap_run, tmp_path,
+                                                                    monkeypatch):
+    """Where the report found a variant faster with oneDNN capped below AMX, its exported
+    folder's manifest carries the cap and predict.py sets it before the runtime loads (a
+    user's own setting stays)."""
+    from pipeline.config import ExportConfig
+    from stages import export
+    from stages import predict as predict_loop
+    from stages.run.files import atomic_write_json
+
+    path = cheap_run.verified_path("report/report.json")
+    report = json.loads(path.read_text())
+    row = next(r for r in report["models"] if r["name"] == "ort-static")
+    row["below_amx"] = {"onednn_max_cpu_isa": "AVX512_CORE_BF16", "latency_ms": {},
+                        "amx_speedup": {"32": {"ratio": 0.8, "low": 0.75, "high": 0.9}}}
+    atomic_write_json(path, report)
+    cheap_run.register("report/report.json", path, kind="report", stage="report")
+    out = export.run(ExportConfig(out_dir=str(tmp_path / "capped"), variant="ort-static",
+                                  quiet=True), cheap_run)
+    serving = json.loads((out / "manifest.json").read_text())["serving"]
+    assert serving["environment"] == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+    monkeypatch.setattr(sys, "argv", ["predict.py", "a.png"])
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    predict_loop.arguments("doc", out)
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # the user's
+    predict_loop.arguments("doc", out)
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    plain = export.run(ExportConfig(out_dir=str(tmp_path / "plain"), variant="onnx-fp32",
+                                    quiet=True), cheap_run)
+    assert "environment" not in json.loads((plain / "manifest.json").read_text())["serving"]

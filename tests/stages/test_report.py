@@ -13,7 +13,7 @@ from stages import report
 from stages.measure import contention, timing
 from stages.report import diagnosis, judging, measuring, plots, profile, recommendation
 from stages.report.markdown import markdown
-from tests.conftest import ALL_VARIANTS
+from tests.conftest import ALL_VARIANTS, TINY_REPORT
 
 
 def test_report_json_has_the_contract_fields(tiny_run):
@@ -642,3 +642,33 @@ def test_a_variant_that_crashes_its_runtime_costs_its_row_not_the_report(cheap_r
         cheap_run.root / "report" / "report.md").read_text()
     assert json.loads((cheap_run.root / "manifest.json").read_text())["stages"]["report"][
         "status"] == "complete"
+
+
+def test_a_variant_faster_below_amx_is_timed_there_and_said_with_both_figures(tiny_run,
+                                                                                monkeypatch):
+    """time_below_amx times the int8 and bf16 variants that run oneDNN in a child capped below
+    AMX (on any CPU: a cap above what it has changes nothing), and where the capped figure is
+    faster beyond noise the warning gives both."""
+    from stages.report import worker
+
+    monkeypatch.setattr(worker, "amx_unused", lambda: False)
+    rows = copy.deepcopy([m for m in tiny_run["report"]["models"]
+                          if m["name"] in ("openvino-int8", "ort-static", "fp32")])
+    worker.time_below_amx(tiny_run["run"], ReportConfig(**TINY_REPORT), 2, rows)
+    by_name = {row["name"]: row for row in rows}
+    assert "below_amx" not in by_name["ort-static"] and "below_amx" not in by_name["fp32"]
+    below = by_name["openvino-int8"]["below_amx"]
+    assert below["onednn_max_cpu_isa"] == worker.BELOW_AMX  # as the child saw its environment
+    assert below["latency_ms"]["32"]["calls"] >= 20 and below["amx_speedup"]["32"]["ratio"] > 0
+    # As if AMX had lost beyond noise: both figures in one warning, and the cap export sets.
+    row = by_name["openvino-int8"]
+    row["below_amx"]["amx_speedup"]["32"] = {"ratio": 0.8, "low": 0.75, "high": 0.9}
+    row["below_amx"]["latency_ms"]["32"]["p50"], row["latency_ms"]["32"]["p50"] = 2.28, 2.85
+    assert recommendation.cap_that_pays(row, "32") == worker.BELOW_AMX
+    [warning] = diagnosis.amx_warnings(rows, "32")
+    assert warning.startswith("openvino-int8 ran 1.25x (1.11–1.33) faster with oneDNN capped "
+                              "below AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16) than with it: "
+                              "2.28 against 2.85 ms p50 at batch 32.")
+    row["below_amx"]["amx_speedup"]["32"]["high"] = 1.02  # within noise: nothing to say
+    assert recommendation.cap_that_pays(row, "32") is None and not diagnosis.amx_warnings(
+        rows, "32")
