@@ -345,11 +345,11 @@ def _set_up(config, run: Run, resume: bool) -> tuple:
     check_model_fits(config.model, classes, channels, config.image_size, config.batch_size,
                      device, held)
     splits = load_splits(config)
-    lr = lr_range.peak_lr(config, splits, precision, device, run, saved)
+    lr, found_by = lr_range.peak_lr(config, splits, precision, device, run, saved)
     if world.is_main:
         run.record_config("train", asdict(config) | {
             "resolved_precision": precision.name, "resolved_device": str(device),
-            "world_size": world.world_size, "resolved_lr": lr})
+            "world_size": world.world_size, "resolved_lr": lr, "lr_found_by": found_by})
         record_preprocessing(run, splits, config.dataset, "train")
     return device, precision, splits, replace(config, lr=lr)
 

@@ -55,7 +55,8 @@ def learning_rate_of(run: Run) -> dict:
     if not recorded:
         return {}
     found = {"value": recorded.get("resolved_lr", recorded.get("lr")),
-             "found_by": "range test" if recorded.get("lr") == "auto" else "--lr"}
+             "found_by": recorded.get("lr_found_by", "range test" if recorded.get("lr") == "auto"
+                                      else "--lr")}
     if "lr-range" in run.artifacts():
         found["curve"] = json.loads(run.verified_path("lr-range").read_text())
     return found

@@ -49,6 +49,14 @@ SAFETY = 2.0
 # rate for one step: mobilenet_v3_large's loss still fell at 0.36 there, and 0.18 made its
 # training diverge in the fourth epoch (87.25% on notMNIST test; 94.50% at 0.05, same budget).
 CEILING_PER_256 = 0.2
+# Where the test would take more than twice the optimizer steps of the training it serves (one
+# epoch at 224x224: resnet18's test took 11 minutes on the Xeon here, its epoch 1.5), the peak
+# is Goyal et al.'s linear-scaling rule itself. Twice: the default chain on a CPU without bf16
+# trains one model for 100 steps, and keeps its test.
+RULE_PER_256 = 0.1
+RANGE_TEST = "range test"
+LINEAR_SCALING = "linear-scaling rule (0.1 per 256 images a step; a range test would take more " \
+                 "than twice the training's steps)"
 SKIPPED_START = 5  # the first steps' smoothed loss stands on too few batches to judge a slope
 LEAST_FALL = 0.05  # the loss must fall by this share of its start for a choice to exist
 
@@ -64,14 +72,23 @@ class NeverFell(PipelineError):
         self.detail = detail
 
 
-def peak_lr(config, splits, precision, device, run, saved: dict) -> float:
-    """--lr as given, or found by a range test under the precision and batch size training will
-    use, once per run: a resume reads the value back from ``saved`` (the recorded train
-    config). The curve is kept in the run (train/lr-range.json) for the report."""
+def peak_lr(config, splits, precision, device, run, saved: dict) -> tuple[float, str]:
+    """(the peak learning rate, how it was found): --lr as given, or found by a range test
+    under the precision and batch size training will use, once per run (a resume reads both
+    back from ``saved``, the recorded train config), or, where the test's steps are more than
+    twice training's (`planned_steps`), the linear-scaling rule. The curve is kept in the run (train/lr-range.json) for the report."""
     if config.lr != "auto":
-        return config.lr
+        return config.lr, "--lr"
     if "resolved_lr" in saved:
-        return saved["resolved_lr"]
+        return saved["resolved_lr"], saved.get("lr_found_by", RANGE_TEST)
+    batch = config.batch_size * distributed.current().world_size
+    planned = planned_steps(config, splits, precision)
+    if planned is not None and MAX_STEPS > 2 * planned:
+        lr = RULE_PER_256 * batch / 256
+        say(f"--lr auto: {lr:.3g}, by the linear-scaling rule (0.1 per 256 images a step): a "
+            f"range test takes up to {MAX_STEPS} steps, training {planned}",
+            quiet=config.quiet)
+        return lr, LINEAR_SCALING
     say(f"--lr auto: a learning-rate range test of up to {MAX_STEPS} steps ({START_LR:g} to "
         f"{END_LR:g}) ...", quiet=config.quiet)
     try:
@@ -81,7 +98,6 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> float:
             f"over {LONG_STEPS} steps, each learning rate held longer ...", quiet=config.quiet)
         curve = range_test(config, splits, precision, device, LONG_STEPS)
     world = distributed.current()
-    batch = config.batch_size * world.world_size
     curve["ceiling"] = CEILING_PER_256 * batch / 256
     curve["uncapped"], curve["capped"] = curve["chosen"], curve["chosen"] > curve["ceiling"]
     curve["chosen"] = min(curve["chosen"], curve["ceiling"])
@@ -94,7 +110,17 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> float:
     say(f"--lr auto: {curve['chosen']:.3g} (steepest descent at {curve['steepest']:.3g}, "
         f"lowest loss at {curve['minimum']:.3g}, {curve['steps']} steps{capped})",
         quiet=config.quiet)
-    return curve["chosen"]
+    return curve["chosen"], RANGE_TEST
+
+
+def planned_steps(config, splits, precision) -> int | None:
+    """The optimizer steps training will take in all (each model's epochs; the fp32 baseline
+    is a second model where amp is not fp32), or None where --time plans them."""
+    if config.time:
+        return None
+    batch = config.batch_size * distributed.current().world_size
+    models = 2 if config.baseline and precision.name != "fp32" else 1
+    return models * config.epochs * max(1, len(splits.train) // batch)
 
 
 def range_test(config, splits, precision, device, steps: int = MAX_STEPS) -> dict:

@@ -213,14 +213,14 @@ def test_the_time_budget_holds_for_the_stage_the_range_test_included(tmp_path, m
 
     def slow_test(config, *args):
         clock.sleep(5.2)
-        return 0.05
+        return 0.05, "range test"
 
     monkeypatch.setattr(lr_range, "peak_lr", slow_test)
     run = artifacts.create_run(tmp_path, "spent")
     (result,) = train.run(TrainConfig(**TINY_TRAIN | {"epochs": 3, "time": "5s",
                                                        "baseline": False}), run)
     assert result.epochs_run == 1 and result.stopped.startswith("time: 1 epoch fit")
-    monkeypatch.setattr(lr_range, "peak_lr", lambda config, *args: 0.05)
+    monkeypatch.setattr(lr_range, "peak_lr", lambda config, *args: (0.05, "range test"))
     (alone,) = train.run(TrainConfig(**TINY_TRAIN | {"epochs": 3, "time": "5s",
                                                       "baseline": False}),
                          artifacts.create_run(tmp_path, "alone"))
@@ -256,14 +256,34 @@ def test_bad_training_plans_are_refused_naming_the_flag(tmp_path, flags, message
     assert not (tmp_path / "runs").exists()  # refused before a run folder is made
 
 
+FP32, BF16 = Precision("fp32"), Precision("bf16")
+
+
+def _splits(training_images: int):
+    """What the learning-rate choice reads of the data: the training split's length."""
+    import types
+
+    return types.SimpleNamespace(train=range(training_images))
+
+
+LONG = _splits(100_000)  # a training far longer than any range test
+
+
+def recorded_found_by(run) -> str:
+    return run.recorded_config("train")["lr_found_by"]
+
+
 def test_lr_auto_finds_a_learning_rate_by_a_range_test_and_keeps_its_curve(tmp_path):
     """--lr auto: the range test's curve is kept in the run, the value chosen trains the
     model and is recorded in config.json, and the report plots it and says how it was found."""
     from stages.training import lr_range
 
     run = artifacts.create_run(tmp_path, "auto")
-    (result,) = train.run(TrainConfig(**TINY_TRAIN | {"lr": "auto", "epochs": 1,
+    # 4 epochs of 20 steps: a training at least half as long as the test (shorter ones take
+    # the linear-scaling rule instead).
+    (result,) = train.run(TrainConfig(**TINY_TRAIN | {"lr": "auto", "epochs": 4,
                                                        "baseline": False}), run)
+    assert recorded_found_by(run) == "range test"
     curve = json.loads(run.verified_path("lr-range").read_text())
     recorded = run.recorded_config("train")
     assert recorded["lr"] == "auto" and recorded["resolved_lr"] == curve["chosen"]
@@ -330,17 +350,51 @@ def test_a_range_test_whose_loss_never_fell_runs_once_more_held_longer(tmp_path,
     config = TrainConfig(**TINY_TRAIN | {"lr": "auto"})
     slow_learner_steps = lr_range.LONG_STEPS
     run = artifacts.create_run(tmp_path, "slow")
-    assert lr_range.peak_lr(config, None, None, None, run, {}) == 0.04
+    assert lr_range.peak_lr(config, LONG, FP32, None, run, {}) == (0.04, "range test")
     assert tried == [lr_range.MAX_STEPS, lr_range.LONG_STEPS]
     assert "lr-range" in run.artifacts()
     tried.clear()
     slow_learner_steps = lr_range.LONG_STEPS + 1
     flat = artifacts.create_run(tmp_path, "flat")
     with pytest.raises(PipelineError, match="the training loss never fell"):
-        lr_range.peak_lr(config, None, None, None, flat, {})
+        lr_range.peak_lr(config, LONG, FP32, None, flat, {})
     assert tried == [lr_range.MAX_STEPS, lr_range.LONG_STEPS]
     assert "lr-range" not in flat.artifacts()
     assert not (flat.root / "train" / "lr-range.json").exists()
+
+
+def test_a_range_test_longer_than_the_training_gives_way_to_the_linear_scaling_rule(
+        tmp_path, monkeypatch):
+    """One epoch at 224x224 is 20 steps a model on the digits, where the range test takes up to
+    150 (11 minutes for resnet18 on the Xeon here): the peak is then 0.1 per 256 images a
+    step, recorded as such; a training at least half as long as the test, or one planned by
+    --time (which pays for the test), still runs it."""
+    from stages.report.markdown import _lr_sentence
+    from stages.training import lr_range
+
+    tested = []
+    monkeypatch.setattr(lr_range, "range_test", lambda *args, **kwargs: tested.append(1) or {
+        "lrs": [1e-3], "losses": [2.3], "steps": 150, "chosen": 0.04, "minimum": 0.08,
+        "steepest": 0.02})
+    config = TrainConfig(**TINY_TRAIN | {"lr": "auto", "epochs": 1})
+    run = artifacts.create_run(tmp_path, "short")
+    digits = _splits(1293)  # the digits' training split: 20 steps an epoch at batch 64
+    assert lr_range.planned_steps(config, digits, BF16) == 2 * 20  # amp and the fp32 baseline
+    assert lr_range.planned_steps(config, digits, FP32) == 20  # one run serves both
+    assert lr_range.peak_lr(config, digits, BF16, None, run, {}) == (
+        pytest.approx(0.025), lr_range.LINEAR_SCALING)
+    assert not tested and "lr-range" not in run.artifacts()
+    at_half = TrainConfig(**TINY_TRAIN | {"lr": "auto", "epochs": 2})  # 2 x 2 x 20 = 80 >= 75
+    assert lr_range.peak_lr(at_half, digits, BF16, None, run, {})[1] == "range test"
+    timed = TrainConfig(**TINY_TRAIN | {"lr": "auto", "epochs": 1, "time": "5m"})
+    assert lr_range.planned_steps(timed, digits, BF16) is None
+    assert lr_range.peak_lr(timed, digits, BF16, None, run, {})[1] == "range test"
+    assert len(tested) == 2
+    sentence = _lr_sentence({"learning_rate": {"value": 0.025,
+                                               "found_by": lr_range.LINEAR_SCALING}})
+    assert sentence == (" Peak learning rate 0.025, by Goyal et al.'s linear-scaling rule (0.1 "
+                        "per 256 images a step): a range test would take more than twice the "
+                        "training's steps.")
 
 
 def test_the_peak_found_is_at_most_twice_the_linear_scaling_rule(tmp_path, monkeypatch):
@@ -357,7 +411,7 @@ def test_the_peak_found_is_at_most_twice_the_linear_scaling_rule(tmp_path, monke
     for batch, peak in ((64, 0.05), (128, 0.1), (1024, 0.18)):
         run = artifacts.create_run(tmp_path, f"batch{batch}")
         config = TrainConfig(**TINY_TRAIN | {"lr": "auto", "batch_size": batch})
-        assert lr_range.peak_lr(config, None, None, None, run, {}) == pytest.approx(peak)
+        assert lr_range.peak_lr(config, LONG, FP32, None, run, {})[0] == pytest.approx(peak)
         curves[batch] = json.loads(run.verified_path("lr-range").read_text())
     assert curves[1024]["chosen"] == 0.18 and curves[1024]["ceiling"] == pytest.approx(0.8)
     assert not curves[1024]["capped"] and curves[64]["capped"] and curves[128]["capped"]
