@@ -70,7 +70,7 @@ def main() -> None:
     print("| model | fp32 ms @1 | fp32 ms @32 | bf16 ms @1 | bf16 ms @32 | int8 ms @1 | "
           "int8 ms @32 | recommended @32 | vs fastest float | vs fastest fp32 | test change | "
           "train / quantize / report s |")
-    print("|" + "---|" * 13)
+    print("|" + "---|" * 12)
     for model in args.models.split(","):
         seconds = {"train": pipeline(
             args.artifacts_dir, model, "train", "--model", model, "--dataset", args.dataset,

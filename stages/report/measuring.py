@@ -169,8 +169,8 @@ def record_latencies(rows: list[dict], timings: dict, loaded: dict, splits, conf
 
 
 def record_kernels(rows: list[dict], loaded: dict, splits, config, doing: Doing) -> None:
-    """Each CPU row's `kernels` at the largest batch size: the oneDNN kernels its Conv and
-    Linear layers ran, as its runtime names them (None where the runtime does not say)."""
+    """Each CPU row's `kernels` at the largest batch size: the oneDNN kernels one call ran, as
+    its runtime names them (None where the runtime does not say: ONNX Runtime)."""
     size = max(config.batch_sizes)
     batch = timing.random_batch(splits.input_shape(size))
     for row in rows:

@@ -48,8 +48,9 @@ class Loaded:
     # (batch, calls) -> ms per call of each operator type, by the runtime's own profiler
     # (stages/runtimes/profilers.py); None where the runtime offers none.
     profile: Callable | None = None
-    # (batch) -> how many Conv/Linear layers ran each kernel, by the name its library gives it
-    # (oneDNN's, through OpenVINO or PyTorch): which instruction set really ran. None where
+    # (batch) -> how many times a call ran each oneDNN kernel, by the name oneDNN or OpenVINO
+    # gives it (OpenVINO's: its Conv and Linear layers; PyTorch's: every primitive but
+    # reorders): which instruction set really ran. None where
     # the runtime does not say (ONNX Runtime's MLAS).
     kernels: Callable | None = None
 
