@@ -43,3 +43,13 @@ def test_the_check_finds_what_outgrew(tmp_path, source, too_big):
     path.parent.mkdir()
     path.write_text(source)
     assert bool(oversized([path], tmp_path)) is too_big
+
+
+MAX_MEASUREMENTS_LINES = 250
+
+
+def test_measurements_hold_current_figures_not_a_diary():
+    """docs/measurements.md keeps one current figure per thing and CPU; history is git's."""
+    lines = (ROOT / "docs" / "measurements.md").read_text().count("\n")
+    assert lines <= MAX_MEASUREMENTS_LINES, (
+        f"docs/measurements.md has {lines} lines: replace figures, do not append")
