@@ -1,9 +1,11 @@
 """Samples per second of `pipeline train` beside a bare PyTorch loop, same model, data, batch.
 
     .venv/bin/python benchmarks/train_speed.py [--model resnet18] [--epochs 3] [--precision bf16]
+        [--lr 0.02]
 
 Both loops run in this one process, one after the other, on the digits training split with the
-same seed, batch size, optimizer and autocast type. The pipeline's figure is its own in-loop rate
+same seed, batch size, optimizer, learning rate (a fixed one: the range test is not what is
+timed) and autocast type. The pipeline's figure is its own in-loop rate
 (checkpoints and validation excluded, as it reports it) and, beside it, the wall-clock rate of
 the whole call with those included. Target: the in-loop rate within 10% of the bare loop.
 """
@@ -51,9 +53,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--lr", type=float, default=0.02)
     args = parser.parse_args()
     config = TrainConfig(model=args.model, epochs=args.epochs, batch_size=args.batch_size,
-                         precision=args.precision, baseline=False, quiet=True)
+                         lr=args.lr, precision=args.precision, baseline=False, quiet=True)
     device = resolve_device("auto")
     splits = load_splits(config)
     bare = bare_loop(config, splits, Precision(args.precision), device)
