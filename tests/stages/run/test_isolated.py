@@ -11,7 +11,7 @@ from stages.run.errors import UsageError
 
 def answer(doing, value):
     doing("answering")
-    return {"value": value, "environment": dict(os.environ)}
+    return {"value": value, "environment": dict(os.environ), "pid": os.getpid()}
 
 
 def refuse(doing):
@@ -32,6 +32,23 @@ def test_a_child_answers_raises_and_dies_as_the_parent_can_tell():
     with pytest.raises(isolated.Crashed) as died:
         isolated.call(f"{__name__}:crash")
     assert (died.value.signal_name, died.value.doing) == ("SIGSEGV", "reading address 0")
+
+
+def test_the_child_serves_the_next_call_and_a_new_one_follows_a_crash_or_another_environment(
+        tmp_path, monkeypatch):
+    first = isolated.call(f"{__name__}:answer", 1, environment={"ONLY": "this"})
+    assert first["pid"] != os.getpid()
+    assert isolated.call(f"{__name__}:answer", 2, environment={"ONLY": "this"})["pid"] == \
+        first["pid"]
+    other = isolated.call(f"{__name__}:answer", 3, environment={"ONLY": "that"})
+    assert other["pid"] != first["pid"] and other["environment"]["ONLY"] == "that"
+    monkeypatch.chdir(tmp_path)  # a user's model module is imported relative to it
+    elsewhere = isolated.call(f"{__name__}:answer", 4, environment={"ONLY": "that"})
+    assert elsewhere["pid"] != other["pid"]
+    with pytest.raises(isolated.Crashed):
+        isolated.call(f"{__name__}:crash", environment={"ONLY": "that"})
+    after = isolated.call(f"{__name__}:answer", 5, environment={"ONLY": "that"})
+    assert after["value"] == 5 and after["pid"] != elsewhere["pid"]
 
 
 def test_a_child_runs_without_the_cap_training_set_and_keeps_a_users(monkeypatch):
