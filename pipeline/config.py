@@ -259,7 +259,7 @@ class ReportConfig:
     target_interval: float = 1.1
     timing_budget: float = 20.0
     max_accuracy_drop: float = 1.0
-    fail_under_speedup: float = 0.0  # against fp32 eager; 0: never fail
+    fail_under_speedup: float = 0.0  # against the reference (amp); 0: never fail
     fail_under_float_speedup: float = 0.0  # against the fastest float variant; 0: never fail
     compare: tuple[str, ...] = ()
     device: str = "auto"  # auto: GPU rows too where there is a CUDA device; cpu: none

@@ -116,7 +116,7 @@ def verdict(rows: list[dict], reference: str, budget_points: float) -> dict:
 
 
 def check_gates(config, v: dict, folder) -> None:
-    """--fail-under-speedup (against fp32 eager) and --fail-under-float-speedup (against the
+    """--fail-under-speedup (against the reference, `amp` served eager) and --fail-under-float-speedup (against the
     fastest float variant): a CI gate fails once the report is written."""
     best_float = v["per_batch_size"][str(v["batch_size"])]["best_float"]
     gates = (("--fail-under-speedup", config.fail_under_speedup, v["speedup"], v["reference"]),

@@ -6,10 +6,10 @@ and a loader with `@loader(...)` that opens a variant from its verified files an
 `Loaded`: predict logits for a batch, a call to time, and the count of int8 and float ops
 that really run. quantize.py makes what is asked for and report.py measures what is there,
 both by walking VARIANTS, so a new runtime is one new module plus its tests. The variants the
-qat stage makes from its fine-tuned graph (torch-qat, ort-qat) are registered the same way,
-with stage="qat", in runtimes/qat.py. A runtime whose variants are searched hands the search a
-quantization/tuning.Backend; the PyTorch runtime's helpers are pt2e.py (the PT2E int8 flow)
-and inductor.py (compiling, and counting the kernels that run).
+qat stage makes from its fine-tuned graph (torch-qat, ort-qat, openvino-qat) are registered
+the same way, with stage="qat", in runtimes/qat.py. A runtime whose variants are searched
+hands the search a quantization/tuning.Backend; the PyTorch runtime's helpers are pt2e.py (the
+PT2E int8 flow) and inductor.py (compiling, and counting the kernels that run).
 """
 from __future__ import annotations
 
@@ -65,7 +65,8 @@ def declare(name: str, *, runtime: str, source: str | None, int8: bool, descript
             stage: str = "quantize") -> None:
     """Register a variant; without ``make``, one that train or import writes and its runtime
     only loads. It is listed after the variants of its runtime registered before it, wherever
-    it is registered (runtimes/qat.py registers a PyTorch and an ONNX Runtime variant)."""
+    it is registered (runtimes/qat.py registers a PyTorch, an ONNX Runtime and an OpenVINO
+    variant)."""
     if name in VARIANTS:
         raise RuntimeError(f"variant {name!r} is registered twice")
     VARIANTS[name] = Variant(name, runtime, source, int8, make, description, trained, stage)

@@ -76,7 +76,8 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> tuple[float,
     """(the peak learning rate, how it was found): --lr as given, or found by a range test
     under the precision and batch size training will use, once per run (a resume reads both
     back from ``saved``, the recorded train config), or, where the test's steps are more than
-    twice training's (`planned_steps`), the linear-scaling rule. The curve is kept in the run (train/lr-range.json) for the report."""
+    twice training's (`planned_steps`), the linear-scaling rule. The curve is kept in the run
+    (train/lr-range.json) for the report."""
     if config.lr != "auto":
         return config.lr, "--lr"
     if "resolved_lr" in saved:
