@@ -209,4 +209,14 @@ def crash_warnings(crashed: list[dict]) -> list[str]:
             f"while {c['phase']}" + (f" at batch {c['batch_size']}" if c["batch_size"] else "")
             + f", oneDNN {c['onednn_max_cpu_isa']}): it has no figures in this report and is "
             "not recommended; the other variants were measured again without it."
-            for c in crashed]
+            + _killed_for_memory(c) for c in crashed]
+
+
+def _killed_for_memory(crash: dict) -> str:
+    """Why a SIGKILL most likely came: the kernel's out-of-memory killer sends it, and the
+    measuring process holds every variant at once (efficientnet_b0 at 224x224: 24 GB)."""
+    if crash["signal"] != "SIGKILL" or not crash.get("peak_rss_bytes"):
+        return ""
+    return (f" SIGKILL is what the kernel's out-of-memory killer sends: the measuring process "
+            f"was seen holding {crash['peak_rss_bytes'] / 1e9:.1f} GB of this machine's "
+            f"{crash['memory_bytes'] / 1e9:.1f} GB; smaller --batch-sizes need less.")

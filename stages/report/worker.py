@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 from stages.data.datasets import splits_of_run
@@ -146,6 +147,7 @@ def crash_record(crash: isolated.Crashed) -> dict | None:
     return {"name": name, "variant": variant, "signal": crash.signal_name,
             "phase": doing["phase"], "batch_size": doing["batch_size"],
             "runtime": f"{package} {versions().get(package, 'unknown')}",
-            "cpu_flags": machine.cpu_info()["flags"],
+            "cpu_flags": machine.cpu_info()["flags"], "peak_rss_bytes": crash.peak_rss_bytes,
+            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
             "onednn_max_cpu_isa": isolated.deployment_environment().get(
                 "ONEDNN_MAX_CPU_ISA", "not capped")}

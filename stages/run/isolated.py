@@ -25,11 +25,14 @@ DOING_BYTES = 512
 
 
 class Crashed(Exception):
-    """The child died of a signal (or exited without a result) while doing ``doing``."""
+    """The child died of a signal (or exited without a result) while doing ``doing``;
+    ``peak_rss_bytes``: the most memory it was seen holding (a SIGKILL is most often the
+    kernel's out-of-memory killer)."""
 
-    def __init__(self, signal_name: str, doing: str):
+    def __init__(self, signal_name: str, doing: str, peak_rss_bytes: int = 0):
         super().__init__(f"{signal_name} while {doing or 'starting'}")
         self.signal_name, self.doing = signal_name, doing
+        self.peak_rss_bytes = peak_rss_bytes
 
 
 class Doing:
@@ -119,16 +122,18 @@ def call(target: str, *args: Any, environment: dict[str, str] | None = None) -> 
         atexit.register(_stop_worker)
     worker = _worker
     Doing(worker.buffer)("")
+    peak = [0]
     try:
         worker.requests.send((target, args))
-        answer = _answer(worker.answers, worker.process)
+        answer = _answer(worker.answers, worker.process, peak)
     except BaseException:  # Ctrl-C or a kill of this process: the child goes too
         _stop_worker()
         raise
     if answer is None:
         worker.process.join()
         _worker = None
-        raise Crashed(signal_name(worker.process.exitcode), Doing(worker.buffer).read())
+        raise Crashed(signal_name(worker.process.exitcode), Doing(worker.buffer).read(),
+                      peak[0])
     ok, value = answer
     if ok:
         return value
@@ -142,9 +147,11 @@ def _stop_worker() -> None:
         _worker = None
 
 
-def _answer(receive, child):
-    """The child's (ok, value), or None where it died without sending one."""
+def _answer(receive, child, peak: list[int]):
+    """The child's (ok, value), or None where it died without sending one; ``peak[0]`` the
+    most memory it was seen holding, read every 0.2 s."""
     while True:
+        peak[0] = max(peak[0], _resident_bytes(child.pid))
         if receive.poll(0.2):
             try:
                 return receive.recv()
@@ -152,6 +159,18 @@ def _answer(receive, child):
                 return None
         if not child.is_alive() and not receive.poll(0):
             return None
+
+
+def _resident_bytes(pid: int) -> int:
+    """The resident memory of process ``pid`` (Linux's /proc), 0 where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _environment(wanted: dict[str, str]):

@@ -642,6 +642,19 @@ def test_a_variant_that_crashes_its_runtime_costs_its_row_not_the_report(cheap_r
         cheap_run.root / "report" / "report.md").read_text()
     assert json.loads((cheap_run.root / "manifest.json").read_text())["stages"]["report"][
         "status"] == "complete"
+    assert crash["peak_rss_bytes"] > 0 and "out-of-memory" not in " ".join(data["warnings"])
+
+
+def test_a_sigkill_is_said_to_be_most_likely_the_out_of_memory_killer_with_the_memory_held():
+    crash = {"name": "ort-dynamic", "signal": "SIGKILL", "runtime": "onnxruntime 1.32.0",
+             "phase": "profiling", "batch_size": 32, "onednn_max_cpu_isa": "not capped",
+             "peak_rss_bytes": 24_282_292_000, "memory_bytes": 25_200_000_000}
+    (warning,) = diagnosis.crash_warnings([crash])
+    assert warning.endswith("SIGKILL is what the kernel's out-of-memory killer sends: the "
+                            "measuring process was seen holding 24.3 GB of this machine's "
+                            "25.2 GB; smaller --batch-sizes need less.")
+    (segfault,) = diagnosis.crash_warnings([crash | {"signal": "SIGSEGV"}])
+    assert "out-of-memory" not in segfault
 
 
 def test_a_variant_faster_below_amx_is_timed_there_and_said_with_both_figures(tiny_run,

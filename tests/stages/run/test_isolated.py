@@ -2,6 +2,8 @@
 come back to the parent, and it runs with the environment a deployment has."""
 import ctypes
 import os
+import signal
+import time
 
 import pytest
 
@@ -21,6 +23,13 @@ def refuse(doing):
 def crash(doing):
     doing("reading address 0")
     ctypes.string_at(0)
+
+
+def hold_then_die_killed(doing, megabytes):
+    held = bytearray(megabytes * 2**20)  # zero pages are not resident until written
+    held[::4096] = b"x" * len(held[::4096])
+    time.sleep(1.0)  # the parent reads the child's memory every 0.2 s
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_a_child_answers_raises_and_dies_as_the_parent_can_tell():
@@ -63,3 +72,10 @@ def test_a_child_runs_without_the_cap_training_set_and_keeps_a_users(monkeypatch
     monkeypatch.delenv(isolated.CAPPED_FOR_TRAINING)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # the user's: not training's
     assert isolated.deployment_environment()["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16"
+
+
+def test_a_child_killed_as_the_out_of_memory_killer_kills_is_named_with_the_memory_it_held():
+    with pytest.raises(isolated.Crashed) as died:
+        isolated.call(f"{__name__}:hold_then_die_killed", 300)
+    assert died.value.signal_name == "SIGKILL"
+    assert 300 * 2**20 <= died.value.peak_rss_bytes < 2 * 2**30
