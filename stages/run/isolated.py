@@ -126,8 +126,10 @@ def call(target: str, *args: Any, environment: dict[str, str] | None = None) -> 
     try:
         worker.requests.send((target, args))
         answer = _answer(worker.answers, worker.process, peak)
-    except BaseException:  # Ctrl-C or a kill of this process: the child goes too
-        _stop_worker()
+    except BaseException:  # Ctrl-C or a kill of this process: the child goes too, at once
+        worker.process.terminate()
+        worker.process.join()
+        _worker = None
         raise
     if answer is None:
         worker.process.join()
