@@ -9,11 +9,13 @@ For each model, through the `pipeline` command as a user runs it: `train` for --
 --image-size (digits upscaled by default: accuracy is not the point here, the timing is; a
 fixed --lr skips the range test), `quantize` with the defaults but --max-accuracy-drop, and
 `report` at batches 1 and 32. The accuracy fallback is skipped by default (every layer int8,
-what the timing is about): a one-epoch model loses more than a point to int8, and the fallback's
-trials at 224x224 took 30 minutes of resnet18's quantize on 2 cores (AVX-512 EPYC, 2026-12-05). Prints one row per model: the p50 at batch 1 and 32 of the fastest fp32, the fastest bf16
-(openvino-bf16, amp-compiled, amp; none on a CPU without bf16 instructions) and the fastest
-int8 variant, the recommended variant, its speed-up over the fastest float and the fastest
-fp32 at batch 32, its test change against amp, and how long each stage took.
+what the timing is about): a one-epoch model loses more than a point to int8, and with the
+fallback's trials resnet18's quantize at 224x224 took 31 minutes on 2 cores (Zen 4 EPYC,
+2026-12-05; mobilenet_v2's took 7 without them). Prints one row per model: the p50 at batch 1
+and 32 of the fastest fp32, the fastest bf16 (openvino-bf16, amp-compiled, amp; none on a CPU
+without bf16 instructions) and the fastest int8 variant, the recommended variant, its speed-up
+over the fastest float and the fastest fp32 at batch 32, its test change against amp, and how
+long each stage took.
 """
 from __future__ import annotations
 

@@ -116,8 +116,9 @@ def verdict(rows: list[dict], reference: str, budget_points: float) -> dict:
 
 
 def check_gates(config, v: dict, folder) -> None:
-    """--fail-under-speedup (against the reference, `amp` served eager) and --fail-under-float-speedup (against the
-    fastest float variant): a CI gate fails once the report is written."""
+    """--fail-under-speedup (against the reference, `amp` served eager) and
+    --fail-under-float-speedup (against the fastest float variant): a CI gate fails once the
+    report is written."""
     best_float = v["per_batch_size"][str(v["batch_size"])]["best_float"]
     gates = (("--fail-under-speedup", config.fail_under_speedup, v["speedup"], v["reference"]),
              ("--fail-under-float-speedup", config.fail_under_float_speedup,

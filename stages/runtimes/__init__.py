@@ -50,8 +50,8 @@ class Loaded:
     profile: Callable | None = None
     # (batch) -> how many times a call ran each oneDNN kernel, by the name oneDNN or OpenVINO
     # gives it (OpenVINO's: its Conv and Linear layers; PyTorch's: every primitive but
-    # reorders): which instruction set really ran. None where
-    # the runtime does not say (ONNX Runtime's MLAS).
+    # reorders): which instruction set really ran. None where the runtime does not say (ONNX
+    # Runtime's MLAS).
     kernels: Callable | None = None
 
 
