@@ -18,7 +18,8 @@ import click
 Processor = tuple[str, Callable]
 CREATES_A_RUN = ("train", "import")  # the first stage of a chain that starts a new run
 READS_ONLY = ("predict", "export")  # they change nothing in the run: no lock, no stage status
-TRAINING = ("train", "qat")  # on every torchrun rank; the other stages on rank 0 alone
+EVERY_RANK = ("train",)  # under torchrun; the other stages run on rank 0 alone
+TRAINING = ("train", "qat")  # the stages that train, so may need oneDNN capped
 
 
 def run_chain(processors: list[Processor], artifacts_dir: Path, run_name: str | None, *,
@@ -41,10 +42,12 @@ def run_chain(processors: list[Processor], artifacts_dir: Path, run_name: str | 
         with (lock.hold_run(run, stages) if world.is_main and not reads_only
               else contextlib.nullcontext()):
             for stage, process in processors:
-                if stage not in TRAINING and not world.is_main:
-                    continue  # quantize and report are single-process work for rank 0
-                seconds = _run_stage(run, stage, process,
-                                     world.is_main and stage not in READS_ONLY)
+                if stage not in EVERY_RANK and not world.is_main:
+                    continue  # qat, quantize and report are single-process work for rank 0
+                with (distributed.alone() if stage not in EVERY_RANK
+                      else contextlib.nullcontext()):
+                    seconds = _run_stage(run, stage, process,
+                                         world.is_main and stage not in READS_ONLY)
                 if world.is_main and not quiet and stage not in READS_ONLY:
                     click.echo(f"{stage}: done in {_duration(seconds)}", err=True)
     finally:
@@ -84,12 +87,14 @@ def _cap_isa_before_any_kernel(processors: list[Processor], precision: str | Non
     precision = precision or "auto"
     if resumed:
         from stages.run.artifacts import open_run
+        from stages.run.errors import UsageError
 
         try:
             run = open_run(*resumed)
+        except UsageError:  # a missing run: run_chain reports it, with its own message
+            run = None
+        if run is not None:
             precision = run.recorded_config("train").get("resolved_precision", precision)
-        except Exception:  # a missing run is reported by run_chain, with its own message
-            pass
     capped = cap_isa_for_bf16_training(precision, device)
     if capped:
         click.echo(f"bf16 training on a CPU with AMX: oneDNN capped at {capped} in this "

@@ -197,8 +197,8 @@ def keep_sensitive_layers_float(backend: Backend, options: dict, layers: list[st
         # and the convolution that reads it), so every layer stays a candidate until the
         # patience runs out.
         if (_within(trial, budget_points) or unhelpful == FALLBACK_PATIENCE
-                or _out_of_time(deadline)):
-            break
+                or _out_of_time(deadline) or len(kept) + 1 == len(layers)):
+            break  # the last: every layer float is the float model, not an int8 variant
         candidate = score(backend, options, tuple(kept + [layer]), reference)
         tried += 1
         say(f"  float: {', '.join(kept + [layer])} -> {0.0 - candidate.drop_points:+.2f} points "
@@ -210,21 +210,30 @@ def keep_sensitive_layers_float(backend: Backend, options: dict, layers: list[st
             trial, unhelpful = candidate, 0
         else:
             unhelpful += 1
-    if _within(trial, budget_points):
-        stopped = "budget met"
-    elif unhelpful == FALLBACK_PATIENCE:
-        stopped = f"{FALLBACK_PATIENCE} layers in a row brought the logits no closer"
-    elif _out_of_time(deadline):
-        stopped = (f"--tuning-time spent: {tried} of {len(ranked)} ranked layers tried "
-                   f"({len(layers) - len(ranked)} not yet ranked)")
-    else:
-        stopped = "every layer was tried"
+    stopped = _why_stopped(_within(trial, budget_points), unhelpful, deadline,
+                           (tried, len(ranked), len(layers)), len(kept))
     say(f"  {len(kept)} layer(s) kept in float, {0.0 - trial.drop_points:+.2f} points (at worst "
         f"{0.0 - trial.worst_drop_points:+.2f}): {stopped}")
     return {"trial": trial, "all_int8": baseline, "met_budget": _within(trial, budget_points),
             "stopped": stopped, "ranked_by": method,
             "ranking": [{"layer": layer, key: value} for value, layer in ranked],
             "plain_drop_points": baseline.drop_points}
+
+
+def _why_stopped(met: bool, unhelpful: int, deadline: float | None,
+                 counts: tuple[int, int, int], kept: int) -> str:
+    """Why the fallback stopped; ``counts``: layers tried, ranked, and that could stay float."""
+    tried, ranked, layers = counts
+    if met:
+        return "budget met"
+    if unhelpful == FALLBACK_PATIENCE:
+        return f"{FALLBACK_PATIENCE} layers in a row brought the logits no closer"
+    if _out_of_time(deadline):
+        return (f"--tuning-time spent: {tried} of {ranked} ranked layers tried "
+                f"({layers - ranked} not yet ranked)")
+    if kept + 1 == layers:
+        return "every layer but one kept in float; all of them would leave nothing in int8"
+    return "every layer was tried"
 
 
 def tune(backend: Backend, candidates: list[dict], reference: dict, budget_points: float,

@@ -5,9 +5,12 @@ and LOCAL_RANK; we join the process group and wrap the model in DistributedDataP
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any
+
+_alone = False  # rank 0 working by itself while the other ranks have gone (see alone())
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,12 @@ def setup(device: str = "auto") -> World:
 
 
 def current() -> World:
+    """This process's place in the process group: a world of one outside torchrun, and inside
+    alone()."""
+    return World() if _alone else _joined()
+
+
+def _joined() -> World:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -104,6 +113,20 @@ def sync_buffers(model) -> None:
         return
     for buffer in model.buffers():
         dist.broadcast(buffer.data, src=0)
+
+
+@contextlib.contextmanager
+def alone():
+    """Rank 0's single-process work after training (quantize, qat, report): the other ranks
+    have left, so a collective would wait for them forever. Inside, rank 0 is a world of one:
+    no DDP, no sharded sampler, no all_reduce. qat is such work because quantize --auto, which
+    runs on rank 0 alone, goes on to it."""
+    global _alone
+    before, _alone = _alone, True
+    try:
+        yield
+    finally:
+        _alone = before
 
 
 def teardown() -> None:

@@ -86,12 +86,19 @@ def test_resume_refuses_new_flags(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_two_cpu_ranks(tmp_path):
+    """Training on both ranks; quantize and report on rank 0 alone, with the QAT that
+    quantize --auto goes on to (a budget of 0 points: post-training int8 always misses it),
+    which would otherwise wait in an all_reduce for a rank that has left. (Which stage runs
+    on which rank: tests/pipeline/test_chain.py.)"""
+    (tmp_path / "pipeline.toml").write_text("[qat]\nepochs = 1\n")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                "2", "-m", "pipeline", "--artifacts-dir", str(tmp_path), "--device", "cpu",
+               "--config", str(tmp_path / "pipeline.toml"),
                "--quiet", "train", "--model", "smallcnn", "--image-size", "8",
-               "--epochs", "2", "--no-measure-memory", "quantize", "--methods", "ort-static",
-               "--calibration-samples", "64", "report", "--rounds", "5", "--max-rounds", "5",
-               "--repeats", "4", "--batch-sizes", "32"]
+               "--epochs", "2", "--no-measure-memory", "quantize", "--methods",
+               "ort-static", "--calibration-samples", "64", "--auto", "--max-accuracy-drop", "0",
+               "report", "--rounds", "5", "--max-rounds", "5", "--repeats", "4",
+               "--batch-sizes", "32"]
     env = os.environ | {"PIPELINE_RUN": "ddp"}  # torchrun's parser would take --run
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -102,13 +109,15 @@ def test_torchrun_two_cpu_ranks(tmp_path):
         model = loading.load_checkpoint(run.verified_path(variant))["state_dict"]
         assert training["weights_sha256_all_ranks"] == weights_digest(model)
         assert training["test_accuracy"] > 0.3
-    assert "ort-static" in run.artifacts()  # quantize and report ran once, on rank 0
+    quantized = run.recorded_config("quantize")  # quantize and report ran once, on rank 0
+    assert "ort-static" in quantized["not_kept"]  # nothing is within 0 points at 95%
+    assert quantized["auto_verdict"].startswith("no post-training configuration kept")
+    assert "torch-qat" in run.artifacts()
     assert proc.stdout.count("report: ") == 1
+    assert proc.stdout.count("torch-qat: ") == 1
     for name in run.artifacts():  # the run folder is complete and every file is the listed one
         run.verified_path(name)
     assert run.manifest()["stages"]["report"]["status"] == "complete"
-
-
 
 
 @pytest.mark.slow

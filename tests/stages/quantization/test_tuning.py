@@ -225,17 +225,17 @@ def test_with_one_pass_errors_the_fallback_builds_no_model_to_rank_layers(monkey
 def test_the_fallback_keeps_in_float_only_layers_the_configuration_quantizes(monkeypatch):
     """One-pass errors cover every layer; a configuration that already keeps some in float
     (torch-static's depthwise convolutions without VNNI) offers the fallback only the rest."""
-    errors = {"conv0": 0.1, "dw1": 0.9, "conv2": 0.2}
+    errors = {"conv0": 0.1, "dw1": 0.9, "conv2": 0.2, "conv3": 0.05}
 
     def logit_mse(float_layers):
         return 0.03 - 0.011 * len({"conv2", "conv0"} & set(float_layers))
 
-    record, built = _scripted_fallback(monkeypatch, ["conv0", "conv2"], logit_mse, errors=errors)
+    offered = ["conv0", "conv2", "conv3"]
+    record, built = _scripted_fallback(monkeypatch, offered, logit_mse, errors=errors)
     assert built == [(), ("conv2",), ("conv2", "conv0")]
-    assert [r["layer"] for r in record["ranking"]] == ["conv2", "conv0"]
+    assert [r["layer"] for r in record["ranking"]] == ["conv2", "conv0", "conv3"]
     # Errors under none of the backend's names: ranked by building, not left unranked.
-    record, built = _scripted_fallback(monkeypatch, ["conv0", "conv2"], logit_mse,
-                                       errors={"dw1": 0.9})
+    record, built = _scripted_fallback(monkeypatch, offered, logit_mse, errors={"dw1": 0.9})
     assert record["ranked_by"].startswith("one model per layer") and ("conv0",) in built
     assert record["met_budget"]
 
@@ -350,3 +350,19 @@ def test_the_fallback_stops_as_soon_as_the_budget_holds(monkeypatch):
     record, built = _scripted_fallback(monkeypatch, layers, logit_mse)
     assert record["met_budget"] and len(record["trial"].float_layers) == 2
     assert len(built) == 1 + 10 + 2 and record["stopped"] == "budget met"
+
+
+def test_the_fallback_never_keeps_every_layer_float(monkeypatch):
+    """Only the float model itself meets the budget (a budget of 0 points did that to smallcnn
+    under torchrun): the fallback stops one layer short and keeps nothing, where an int8
+    variant with nothing in int8 would have been registered and failed the stage."""
+    layers = ["conv0", "conv1", "conv2"]
+
+    def logit_mse(float_layers):
+        return 0.0 if len(float_layers) == 3 else 0.05 - 0.01 * len(float_layers)
+
+    record, built = _scripted_fallback(monkeypatch, layers, logit_mse)
+    assert not record["met_budget"] and len(record["trial"].float_layers) == 2
+    assert ("conv0", "conv1", "conv2") not in [tuple(sorted(b)) for b in built]
+    assert record["stopped"] == ("every layer but one kept in float; all of them would leave "
+                                 "nothing in int8")
