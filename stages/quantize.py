@@ -55,27 +55,29 @@ def run(config, run: Run, qat_config=None) -> list[str]:
         run.record_config("quantize", run.recorded_config("quantize") | {
             "not_kept": ctx.refused})
     if config.auto and qat_config is not None:
-        return names + escalate_to_qat(run, names, config.max_accuracy_drop, qat_config)
+        return names + escalate_to_qat(run, names, config.max_accuracy_drop, qat_config,
+                                       quiet=config.quiet)
     return names
 
 
-def escalate_to_qat(run: Run, made: list[str], budget_points: float, qat_config) -> list[str]:
-    """--auto's last step: says on stdout whether post-training quantization kept within the
-    budget and, where it did not, runs the qat stage; the variants that made. A QAT that
-    diverges made nothing, and the post-training variants still stand; any other failure is
-    the stage's."""
+def escalate_to_qat(run: Run, made: list[str], budget_points: float, qat_config, *,
+                    quiet: bool) -> list[str]:
+    """--auto's last step: says (on stderr, unless quiet: stdout holds the paths made) whether
+    post-training quantization kept within the budget and, where it did not, runs the qat
+    stage; the variants that made. A QAT that diverges made nothing, and the post-training
+    variants still stand; any other failure is the stage's. config.json records the verdict."""
     from stages import qat
     from stages.run.errors import Diverged
 
     met, why = post_training_verdict(run, made, budget_points)
-    print(f"--auto: {why}" + ("" if met else "; trying quantization-aware training"),
-          flush=True)
+    say(f"--auto: {why}" + ("" if met else "; trying quantization-aware training"), quiet=quiet)
+    run.record_config("quantize", run.recorded_config("quantize") | {"auto_verdict": why})
     if met:
         return []
     try:
         return qat.run(qat_config, run)
     except Diverged as exc:
-        print(f"--auto: quantization-aware training made nothing: {exc}", flush=True)
+        say(f"--auto: quantization-aware training made nothing: {exc}", quiet=quiet)
         return []
 
 

@@ -152,8 +152,10 @@ def _quantized(worst_drop_points: float):
     """A run as post_training_verdict reads it: ort-static searched, its worst drop this."""
     entries = {"ort-static": {"quantization": {"tuning": {"chosen": {
         "drop_points": 0.0, "worst_drop_points": worst_drop_points}}}}}
+    recorded = {}
     return SimpleNamespace(entry=entries.__getitem__, artifacts=lambda: entries,
-                           recorded_config=lambda stage: {})
+                           recorded_config=lambda stage: recorded.get(stage, {}),
+                           record_config=recorded.__setitem__, recorded=recorded)
 
 
 def test_auto_goes_on_to_qat_only_where_post_training_missed_the_budget(monkeypatch, capsys):
@@ -161,17 +163,21 @@ def test_auto_goes_on_to_qat_only_where_post_training_missed_the_budget(monkeypa
 
     given = []
     monkeypatch.setattr(qat, "run", lambda config, run: given.append(config) or ["torch-qat"])
-    assert quantize.escalate_to_qat(_quantized(0.4), ["ort-static"], 1.0, "qat config") == []
-    assert capsys.readouterr().out == (
-        "--auto: ort-static kept within 1 point(s) of the float model after post-training "
-        "quantization, so no quantization-aware training is needed\n")
+    within = _quantized(0.4)
+    assert quantize.escalate_to_qat(within, ["ort-static"], 1.0, "qat config",
+                                    quiet=False) == []
+    said = ("--auto: ort-static kept within 1 point(s) of the float model after post-training "
+            "quantization, so no quantization-aware training is needed")
+    assert capsys.readouterr() == ("", said + "\n")  # stdout holds only the paths made
+    assert within.recorded["quantize"]["auto_verdict"] == said[len("--auto: "):]
     assert given == []
-    assert quantize.escalate_to_qat(_quantized(1.3), ["ort-static"], 1.0,
-                                    "qat config") == ["torch-qat"]
-    assert capsys.readouterr().out == (
-        "--auto: no post-training configuration kept within 1 point(s) of the float model on "
-        "the held-out images at 95% confidence (ort-static -1.30 points at worst); trying "
-        "quantization-aware training\n")
+    missed = _quantized(1.3)
+    assert quantize.escalate_to_qat(missed, ["ort-static"], 1.0, "qat config",
+                                    quiet=True) == ["torch-qat"]
+    assert capsys.readouterr() == ("", "")  # --quiet says nothing; config.json records it
+    assert missed.recorded["quantize"]["auto_verdict"] == (
+        "no post-training configuration kept within 1 point(s) of the float model on "
+        "the held-out images at 95% confidence (ort-static -1.30 points at worst)")
     assert given == ["qat config"]
 
 
@@ -188,15 +194,14 @@ def test_a_qat_that_diverges_under_auto_leaves_the_post_training_variants_standi
     monkeypatch.setattr(quantize, "post_training_verdict",
                         lambda run, names, budget: (False, "nothing kept"))
     monkeypatch.setattr(qat, "run", diverges)
-    args = ("--artifacts-dir", str(cheap_run.artifacts_dir), "--quiet", "quantize", "--auto",
+    args = ("--artifacts-dir", str(cheap_run.artifacts_dir), "quantize", "--auto",
             "--methods", "ort-dynamic")
     result = invoke(*args)
     assert result.exit_code == 0, result.stderr
-    assert result.stdout == (
-        "--auto: nothing kept; trying quantization-aware training\n"
-        "--auto: quantization-aware training made nothing: qat: the fake-quantized model "
-        "diverged at epoch 1 step 3: ...\n"
-        f"ort-dynamic: {cheap_run.root / cheap_run.entry('ort-dynamic')['path']}\n")
+    assert result.stdout == f"ort-dynamic: {cheap_run.root / cheap_run.entry('ort-dynamic')['path']}\n"
+    assert ("--auto: nothing kept; trying quantization-aware training\n"
+            "--auto: quantization-aware training made nothing: qat: the fake-quantized model "
+            "diverged at epoch 1 step 3: ...\n") in result.stderr
     # Any other failure of QAT is still the command's failure.
     monkeypatch.setattr(qat, "run", lambda config, run: (_ for _ in ()).throw(
         PipelineError("quantize/torch-qat.pt: No space left on device")))
@@ -204,14 +209,16 @@ def test_a_qat_that_diverges_under_auto_leaves_the_post_training_variants_standi
     assert failed.exit_code == 1 and "No space left on device" in failed.stderr
 
 
-def test_quantize_auto_says_what_it_decided_then_lists_what_it_made(cheap_run):
-    """Through the command: the stage's --auto line, then each variant's path."""
+def test_quantize_auto_quiet_lists_only_what_it_made(cheap_run):
+    """Through the command: under --quiet, the variants' paths alone; the verdict is in
+    config.json."""
     result = invoke("--artifacts-dir", str(cheap_run.artifacts_dir), "--quiet", "quantize",
                     "--auto", "--methods", "ort-dynamic")
     assert result.exit_code == 0, result.stderr
-    assert result.stdout == (
-        "--auto: no static int8 variant was made, so there is nothing for QAT to rescue\n"
-        f"ort-dynamic: {cheap_run.root / cheap_run.entry('ort-dynamic')['path']}\n")
+    assert result.stdout == f"ort-dynamic: {cheap_run.root / cheap_run.entry('ort-dynamic')['path']}\n"
+    assert result.stderr == ""
+    assert cheap_run.recorded_config("quantize")["auto_verdict"] == (
+        "no static int8 variant was made, so there is nothing for QAT to rescue")
 
 
 def test_run_and_artifacts_dir_also_follow_the_stage(tmp_path):
