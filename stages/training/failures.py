@@ -26,9 +26,13 @@ def stop_workers(data_iterator) -> None:
             pass
 
 
-def is_worker_failure(exc: BaseException) -> bool:
-    if isinstance(exc, (ConnectionError, EOFError)):  # a worker killed mid-handover breaks the pipe
-        return True
+def is_worker_failure(exc: BaseException, data_iterator=None) -> bool:
+    """torch's own words for a dead or silent worker; or a broken pipe (ConnectionError,
+    EOFError) where a worker of this loader has really died: a worker killed mid-handover
+    breaks it. The same exceptions from a user's dataset (a network read) are theirs."""
+    if isinstance(exc, (ConnectionError, EOFError)):
+        workers = getattr(data_iterator, "_workers", None) or []
+        return any(not worker.is_alive() for worker in workers)
     return isinstance(exc, RuntimeError) and any(
         marker in str(exc) for marker in ("DataLoader worker", "DataLoader timed out"))
 
@@ -41,7 +45,7 @@ def worker_failures(variant: str, epoch: int, pos: dict, folder: Path, data_iter
     try:
         yield
     except (RuntimeError, ConnectionError, EOFError) as exc:
-        if not is_worker_failure(exc):
+        if not is_worker_failure(exc, data_iterator):
             raise
         first = str(exc) or type(exc).__name__
         # One death can arrive twice: as the broken pipe, then as its SIGCHLD, whose handler

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ BIG_CHECKPOINTS = ["train", "--model", "tests.reliability.big_weights:wide", "--
                    "--batch-size", "128", "--epochs", "1", "--no-baseline", "--precision", "fp32",
                    "--lr", "0.01", "--checkpoint-every", "1", "--keep-checkpoints", "2",
                    "--no-measure-memory"]
+ROOT = Path(__file__).resolve().parents[2]
 TINY_CLI = ["--quiet", "train", "--model", "smallcnn", "--image-size", "8", "--epochs", "1",
             "--no-measure-memory"]
 
@@ -165,7 +167,8 @@ def test_a_worker_death_seen_twice_is_still_one_clear_error(tmp_path, monkeypatc
             raise RuntimeError("DataLoader worker (pid 17375) is killed by signal: Killed. ")
 
     monkeypatch.setattr(failures, "stop_workers", cut_short_once)
-    loader = type("Loader", (), {"_shutdown_workers": lambda self: None})()
+    dead = SimpleNamespace(is_alive=lambda: False)
+    loader = SimpleNamespace(_shutdown_workers=lambda: None, _workers=[dead])
     with pytest.raises(PipelineError, match=r"^amp: a DataLoader worker died or hung at epoch 2 "
                        r"step 4 \(\[Errno 104\] Connection reset by peer\)"):
         with failures.worker_failures("amp", 2, {"step_in_epoch": 3}, tmp_path, loader):
@@ -174,6 +177,14 @@ def test_a_worker_death_seen_twice_is_still_one_clear_error(tmp_path, monkeypatc
     with pytest.raises(ValueError, match="not the loader's"):  # other errors pass untouched
         with failures.worker_failures("amp", 2, {"step_in_epoch": 3}, tmp_path, loader):
             raise ValueError("not the loader's")
+    # A broken connection where every worker is alive, or with no workers at all, is the
+    # dataset's own (a network read), not a worker's death.
+    alive = SimpleNamespace(_shutdown_workers=lambda: None,
+                            _workers=[SimpleNamespace(is_alive=lambda: True)])
+    for iterator in (alive, iter([])):
+        with pytest.raises(ConnectionResetError, match="the data server"):
+            with failures.worker_failures("amp", 2, {"step_in_epoch": 3}, tmp_path, iterator):
+                raise ConnectionResetError(104, "the data server reset the connection")
 
 
 def test_an_artifacts_path_that_cannot_hold_runs_is_a_clear_error(tmp_path, monkeypatch):
@@ -289,25 +300,28 @@ def test_a_checkpoint_that_cannot_fit_is_refused_before_it_is_written(tmp_path, 
 
 @pytest.mark.slow
 def test_two_runs_started_at_once_in_the_same_second_keep_apart(tmp_path):
-    """Both ask for the same timestamp name (the clock is frozen for them): one gets it,
-    the other a suffixed one; neither overwrites the other."""
-    frozen = ("import sys\n"
+    """Two processes ask for the same timestamp name at once (the clock is frozen for them):
+    one gets it, the other a suffixed one; neither overwrites the other. (A whole chain on a
+    run create_run made: every chain test.)"""
+    frozen = ("import sys, time\n"
               "from stages.run import artifacts\n"
               "artifacts.timestamp_name = lambda: '20261130-120000'\n"
-              "sys.argv = ['pipeline'] + sys.argv[1:]\n"
-              "from pipeline.cli import main\nmain()\n")
-    procs = [subprocess.Popen([sys.executable, "-c", frozen, "--artifacts-dir", str(tmp_path),
-                               *TINY_CLI], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+              "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))\n"
+              "print(artifacts.create_run(sys.argv[1]).name)\n")
+    start = str(time.time() + 2)  # both past their imports, then at the same moment
+    procs = [subprocess.Popen([sys.executable, "-c", frozen, str(tmp_path), start], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    names = []
     for proc in procs:
-        assert proc.wait(timeout=300) == 0, proc.stderr.read()[-1000:]
-    runs = artifacts.list_runs(tmp_path)
-    assert sorted(runs) == ["20261130-120000", "20261130-120000-2"]
-    for name in runs:
-        run = artifacts.open_run(tmp_path, name)
-        assert run.manifest()["stages"]["train"]["status"] == "complete"
-        assert {"fp32", "amp"} <= set(run.artifacts())
-    assert (tmp_path / "latest").read_text().strip() in runs
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-1000:]
+        names.append(out.strip())
+    assert sorted(names) == ["20261130-120000", "20261130-120000-2"]
+    assert sorted(artifacts.list_runs(tmp_path)) == sorted(names)
+    for name in names:  # each its own manifest, naming itself
+        assert artifacts.open_run(tmp_path, name).manifest()["run"] == name
+    assert (tmp_path / "latest").read_text().strip() in names
 
 
 @pytest.mark.slow
