@@ -253,10 +253,15 @@ def check_model_fits(name: str, num_classes: int, in_channels: int, image_size: 
     except Exception as exc:
         reason = " ".join(str(exc).split())[:200] or type(exc).__name__
         works = [s for s in PROBE_SIZES if _works(name, num_classes, in_channels, s)]
-        hint = (f"it trains at --image-size {', '.join(map(str, works))}" if works
-                else "no size from 8 to 299 works with this data; choose another model")
+        if not works:  # not a matter of size: the model's own error, or the data's channels
+            raise UsageError(
+                f"--model {name} fails on a batch of {in_channels}-channel {image_size}x"
+                f"{image_size} images at every size from {PROBE_SIZES[0]} to "
+                f"{PROBE_SIZES[-1]} ({type(exc).__name__}: {reason}); fix the model or choose "
+                "another") from None
         raise UsageError(f"--model {name} cannot train on {image_size}x{image_size} images "
-                         f"({reason}); {hint}") from None
+                         f"({reason}); it trains at --image-size "
+                         f"{', '.join(map(str, works))}") from None
     available = _available_memory(device)
     if available is None:
         return

@@ -87,6 +87,26 @@ def test_a_size_a_model_cannot_take_is_refused_with_the_sizes_it_can(name, size,
     assert needle in str(raised.value)
 
 
+def test_a_users_model_that_fails_at_every_size_is_not_blamed_on_the_size(tmp_path,
+                                                                           monkeypatch):
+    """A bug in the model's forward is the model's, whatever the image size."""
+    (tmp_path / "buggy.py").write_text(
+        "import torch.nn as nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self, num_classes):\n"
+        "        super().__init__()\n        self.fc = nn.Linear(4, num_classes)\n"
+        "    def forward(self, x):\n        return self.fc(undefined_name)\n"
+        "def net(num_classes):\n    return Net(num_classes)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UsageError) as raised:
+        check_model_fits("buggy:net", 10, 1, 32, 64, CPU)
+    message = str(raised.value)
+    assert message.startswith("--model buggy:net fails on a batch of 1-channel 32x32 images at "
+                              "every size from 8 to 299 (NameError: name 'undefined_name'")
+    assert "cannot train on" not in message and message.endswith("fix the model or choose another")
+
+
 def test_a_size_that_cannot_fit_in_memory_is_refused_with_what_fits():
     with pytest.raises(UsageError) as raised:
         check_model_fits("resnet18", 10, 1, 100_000, 64, CPU, dataset_bytes=1797 * 4 * 10**10)
