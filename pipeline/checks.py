@@ -74,6 +74,11 @@ def at_least(flag: str, value: float, low: float) -> None:
         raise ValueError(f"{flag} must be at least {low}, got {value}")
 
 
+def greater_than(flag: str, value: float, low: float) -> None:
+    if not value > low:  # also refuses NaN
+        raise ValueError(f"{flag} must be greater than {low}, got {value}")
+
+
 def learning_rate(value: Any) -> float | str:
     """--lr: a positive number, or "auto" for a range test."""
     if isinstance(value, str) and value.strip().lower() == "auto":
