@@ -75,15 +75,22 @@ def tiny_qat_run(tiny_run, tmp_path_factory):
             "report": report.run(ReportConfig(**TINY_REPORT), run)}
 
 
+def make_cheap_run(run) -> dict:
+    """What cheap_run holds, made in ``run``: smallcnn trained one epoch in fp32, ort-static,
+    and a report at batches 1 and 32 (returned)."""
+    from stages import quantize, report, train
+
+    train.run(TrainConfig(**TINY_TRAIN | {"precision": "fp32", "epochs": 1}), run)
+    quantize.run(QuantizeConfig(methods="ort-static", calibration_samples=64, quiet=True), run)
+    return report.run(ReportConfig(**TINY_REPORT | {"batch_sizes": (1, 32)}), run)
+
+
 @pytest.fixture(scope="session")
 def _cheap_template(tmp_path_factory):
-    from stages import quantize, report, train
     from stages.run import artifacts
 
     run = artifacts.create_run(tmp_path_factory.mktemp("template") / "artifacts", "cheap")
-    train.run(TrainConfig(**TINY_TRAIN | {"precision": "fp32", "epochs": 1}), run)
-    quantize.run(QuantizeConfig(methods="ort-static", calibration_samples=64, quiet=True), run)
-    report.run(ReportConfig(**TINY_REPORT | {"batch_sizes": (1, 32)}), run)
+    make_cheap_run(run)
     return run
 
 

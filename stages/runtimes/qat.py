@@ -86,7 +86,8 @@ def make_ort_qat(ctx, tuned: FineTuned) -> dict | None:
     completed = qdq_onnx.complete_for_onnx_runtime(path, calibration_batches(
         ctx.splits, qdq_onnx.RESIDUAL_CALIBRATION_IMAGES, 64, ctx.config.seed))
     reference = ctx.logits_of("torch-qat", images)
-    parity = compare_logits(reference, ort_predict(ort_session(path, threads=1), images))
+    parity = parity_with_torch_qat("ort-qat", reference,
+                                   ort_predict(ort_session(path, threads=1), images))
     if parity["top1_agreement"] < PARITY_MIN_AGREEMENT:
         cause = qdq_onnx.bias_rounding_cause(path, reference, images)
         path.unlink()
@@ -132,8 +133,8 @@ def make_openvino_qat(ctx, tuned: FineTuned) -> dict | None:
     weights = openvino.save_ir(model, xml, ctx.scratch)
     compiled = openvino.compile_model(openvino.core().read_model(str(xml)), threads=1)
     images = ctx.check_images()
-    parity = compare_logits(ctx.logits_of("torch-qat", images),
-                            openvino.runner(compiled)[0](images))
+    parity = parity_with_torch_qat("openvino-qat", ctx.logits_of("torch-qat", images),
+                                   openvino.runner(compiled)[0](images))
     op_counts = openvino.runtime_op_counts(compiled)
     why = None
     if parity["top1_agreement"] < PARITY_MIN_AGREEMENT:
@@ -154,6 +155,12 @@ def make_openvino_qat(ctx, tuned: FineTuned) -> dict | None:
     ctx.register("openvino-qat", xml, info, fmt="openvino", companions=(weights,),
                  op_counts=op_counts)
     return info
+
+
+def parity_with_torch_qat(name: str, reference, logits) -> dict:
+    """How closely the variant ``name``'s logits follow torch-qat's on the check images: it is
+    kept at PARITY_MIN_AGREEMENT of top-1 agreement or more."""
+    return compare_logits(reference, logits)
 
 
 def _ort_qat_for_openvino(ctx) -> tuple[Path, int]:
