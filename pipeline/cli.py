@@ -25,6 +25,7 @@ from pipeline.click_support import (
     take_run_options,
     with_group_values,
 )
+from stages import catalog
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -74,7 +75,9 @@ def cli(ctx: click.Context, artifacts_dir, run_name, device, seed, config_file, 
 @click.pass_context
 def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Path,
               run_name: str | None, **_: object) -> None:
-    """Apply every stage to one run, in order (pipeline/chain.py)."""
+    """Apply every stage to one run, in order (pipeline/chain.py); `list` has printed what it
+    lists and gives no stage."""
+    processors = [processor for processor in processors if processor is not None]
     chosen = ctx.obj["chosen"]
     chain.run_chain(processors, chosen.get("artifacts_dir", artifacts_dir),
                     chosen.get("run_name", run_name), device=ctx.obj["device"],
@@ -357,6 +360,15 @@ def export(ctx: click.Context, **flags) -> Processor:
         click.echo(f"export: {export_stage.run(config, run)}")
 
     return "export", process
+
+
+@cli.command("list", context_settings=CONTEXT)
+@click.argument("registry", required=False, type=click.Choice(catalog.REGISTRIES))
+def list_(registry: str | None) -> None:
+    """What can be named: models (--model), data sets (--dataset), variants (--methods,
+    --variant); all three by default. Works on no run."""
+    for line in catalog.listing(registry):
+        click.echo(line)
 
 
 def _fail_stage_on_sigterm() -> None:

@@ -24,9 +24,10 @@ from pipeline.checks import (
     parse_int_list,
     type_error,
 )
+from stages.data.datasets import DATASETS
 from stages.runtimes import VARIANTS, made_by_quantize
 
-DATASET_NAMES = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "imagefolder")
+DATASET_NAMES = tuple(DATASETS)  # the registry (stages/data), which imports no torch
 PRECISIONS = ("auto", "fp16", "bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
 # The variants quantize makes, in the order it makes them (the registry imports no torch).

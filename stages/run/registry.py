@@ -1,24 +1,26 @@
-"""Name -> function registries filled by a decorator (models, data sets, quantization methods)."""
+"""Name -> entry registries filled by a decorator: models, data sets, variants and the
+runtimes' loaders all use these two functions, and `pipeline list` prints what they hold."""
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
-F = TypeVar("F", bound=Callable)
+T = TypeVar("T")
 
 
-def register(registry: dict[str, Callable], name: str) -> Callable[[F], F]:
-    """Decorator that files a function under ``name``; a second entry with one name is a bug."""
+def register(registry: dict[str, Any], name: str) -> Callable[[T], T]:
+    """Decorator that files an entry (a function, or a record such as a Variant) under
+    ``name``; a second entry with one name is a bug, refused where it is made."""
 
-    def add(fn: F) -> F:
+    def add(entry: T) -> T:
         if name in registry:
             raise RuntimeError(f"{name!r} is registered twice")
-        registry[name] = fn
-        return fn
+        registry[name] = entry
+        return entry
 
     return add
 
 
-def lookup(registry: dict[str, Callable], name: str, what: str) -> Callable:
+def lookup(registry: dict[str, T], name: str, what: str) -> T:
     """The entry for ``name``, or a ValueError that lists every known name."""
     try:
         return registry[name]

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from stages.run.registry import register
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -67,9 +69,8 @@ def declare(name: str, *, runtime: str, source: str | None, int8: bool, descript
     only loads. It is listed after the variants of its runtime registered before it, wherever
     it is registered (runtimes/qat.py registers a PyTorch, an ONNX Runtime and an OpenVINO
     variant)."""
-    if name in VARIANTS:
-        raise RuntimeError(f"variant {name!r} is registered twice")
-    VARIANTS[name] = Variant(name, runtime, source, int8, make, description, trained, stage)
+    register(VARIANTS, name)(Variant(name, runtime, source, int8, make, description, trained,
+                                     stage))
     runtimes = list(dict.fromkeys(v.runtime for v in VARIANTS.values()))
     listed = sorted(VARIANTS.values(), key=lambda v: runtimes.index(v.runtime))  # stable
     VARIANTS.clear()
@@ -88,11 +89,8 @@ def variant(name: str, **fields):
 
 
 def loader(runtime: str):
-    def add(load: Callable) -> Callable:
-        LOADERS[runtime] = load
-        return load
-
-    return add
+    """Decorator: the function that opens every variant of ``runtime`` (one per runtime)."""
+    return register(LOADERS, runtime)
 
 
 def load(run, name: str, threads: int) -> Loaded:

@@ -35,7 +35,7 @@ def invoke(*args):
     (["--device", "tpu", "train"], "'tpu' is not one of 'auto', 'cpu', 'cuda'"),
     (["report", "--batch-sizes", "1,x"], "--batch-sizes takes whole numbers"),
     (["qantize"], "No such command 'qantize'. (Did you mean one of: 'qat', 'quantize'?) "
-                  "Commands: export, import, predict, qat, quantize, report, train."),
+                  "Commands: export, import, list, predict, qat, quantize, report, train."),
     (["import", "--model", "smallcnn"], "--weights is required"),
     (["quantize", "--tuning-time", "5minutes"],
      "--tuning-time '5minutes' is not a duration; give one such as 90s, 5m or 1h"),
@@ -318,3 +318,22 @@ def test_input_a_new_run_cannot_use_is_refused_before_the_run_exists(tmp_path, a
     assert len(lines) == 1 and lines[0].startswith("pipeline: error: " + line.format(code=code))
     assert not (tmp_path / "runs").exists()
     assert (tmp_path / "latest").read_text() == "before\n"
+
+
+def test_list_prints_what_each_registry_holds_and_touches_no_run(tmp_path):
+    from stages import runtimes
+
+    result = invoke("--artifacts-dir", str(tmp_path), "list", "variants")
+    assert result.exit_code == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert [row[0] for row in rows] == list(runtimes.VARIANTS)  # registry order, one a line
+    assert rows[list(runtimes.VARIANTS).index("ort-static")][1:4] == [
+        "onnxruntime", "int8", "quantize"]
+    everything = invoke("--artifacts-dir", str(tmp_path), "list")
+    assert everything.exit_code == 0, everything.stderr
+    lines = everything.stdout.splitlines()
+    assert [line for line in lines if line.endswith(":")] == ["models:", "datasets:",
+                                                              "variants:"]
+    assert "smallcnn  (built-in: A three-conv net" in everything.stdout
+    assert "resnet18  (torchvision)" in lines and "imagefolder" in everything.stdout
+    assert not any(tmp_path.iterdir())  # no run made, no latest pointer
