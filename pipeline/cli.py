@@ -100,8 +100,9 @@ def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Pa
 @click.option("--batch-size", type=int, help="[default: 64]")
 @click.option("--lr", metavar="LR|auto", help="Peak learning rate of SGD (cosine, warm-up); "
               "auto: found by a learning-rate range test (150 steps, then 450 where the loss "
-              "did not fall; the linear-scaling rule where the test would outrun training).  "
-              "[default: auto]")
+              "did not fall; the linear-scaling rule where the test would outrun training, or "
+              "where neither test could be read and 450 steps at it beat guessing on "
+              "validation).  [default: auto]")
 @click.option("--weight-decay", type=float, help="[default: 5e-4]")
 @click.option("--label-smoothing", type=float, help="[default: 0]")
 @click.option("--grad-clip", type=float, help="Max gradient norm, 0 for none (clips after "

@@ -319,10 +319,10 @@ def _lr_sentence(report: dict) -> str:
     if not found.get("value"):
         return ""
     curve = found.get("curve")
-    if not curve and found.get("found_by", "").startswith("linear-scaling"):
+    rule = "linear-scaling rule (0.1 per 256 images a step; "
+    if not curve and found.get("found_by", "").startswith(rule):  # why, in the parentheses
         return (f" Peak learning rate {found['value']:.3g}, by Goyal et al.'s linear-scaling "
-                "rule (0.1 per 256 images a step): a range test would take more than twice "
-                "the training's steps.")
+                f"rule (0.1 per 256 images a step): {found['found_by'][len(rule):-1]}.")
     if not curve:
         return f" Peak learning rate {found['value']:g}, as --lr gave it."
     capped = found.get("found_by") == "range test" and curve.get("capped")

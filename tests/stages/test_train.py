@@ -331,10 +331,8 @@ def test_the_range_test_chooses_below_the_minimum_and_refuses_a_loss_that_never_
 
 
 def test_a_range_test_whose_loss_never_fell_runs_once_more_held_longer(tmp_path, monkeypatch):
-    """A network that learns slowly from chance gets a second test over LONG_STEPS before
-    --lr auto gives up; where that one fails too, the error is the test's and no curve is
-    kept."""
-    from stages.run.errors import PipelineError
+    """A network that learns slowly from chance gets a second test over LONG_STEPS; where that
+    one cannot be read either, the linear-scaling rule decides, and no curve is kept."""
     from stages.training import lr_range
 
     tried = []
@@ -347,6 +345,7 @@ def test_a_range_test_whose_loss_never_fell_runs_once_more_held_longer(tmp_path,
                 "minimum": 0.08, "steepest": 0.02}
 
     monkeypatch.setattr(lr_range, "range_test", range_test)
+    monkeypatch.setattr(lr_range, "learnable_at_rule", lambda *args: (0.025, "the rule"))
     config = TrainConfig(**TINY_TRAIN | {"lr": "auto"})
     slow_learner_steps = lr_range.LONG_STEPS
     run = artifacts.create_run(tmp_path, "slow")
@@ -356,11 +355,57 @@ def test_a_range_test_whose_loss_never_fell_runs_once_more_held_longer(tmp_path,
     tried.clear()
     slow_learner_steps = lr_range.LONG_STEPS + 1
     flat = artifacts.create_run(tmp_path, "flat")
-    with pytest.raises(PipelineError, match="the training loss never fell"):
-        lr_range.peak_lr(config, LONG, FP32, None, flat, {})
+    assert lr_range.peak_lr(config, LONG, FP32, None, flat, {}) == (0.025, "the rule")
     assert tried == [lr_range.MAX_STEPS, lr_range.LONG_STEPS]
     assert "lr-range" not in flat.artifacts()
     assert not (flat.root / "train" / "lr-range.json").exists()
+
+
+def test_with_no_range_test_readable_a_learner_trains_and_shuffled_labels_are_refused(
+        tmp_path, monkeypatch):
+    """The probe at the linear-scaling rule, on real digits: smallcnn beats guessing the
+    classes' shares within PROBE_STEPS and trains at the rule, recorded with why, shown in the
+    report's sentence; the same images with their labels shuffled cannot, and are refused in
+    one line naming the cause, before any model is trained."""
+    from stages.data import datasets
+    from stages.report.markdown import _lr_sentence
+    from stages.training import lr_range
+
+    def unreadable(config, splits, precision, device, steps=lr_range.MAX_STEPS):
+        raise lr_range.NeverFell([1e-3, 1.0], "the smoothed loss went from 2.3 to 2.25")
+
+    monkeypatch.setattr(lr_range, "range_test", unreadable)
+    config = TrainConfig(**TINY_TRAIN | {"lr": "auto", "baseline": False, "epochs": 4,
+                                         "precision": "fp32"})
+    run = artifacts.create_run(tmp_path, "learns")
+    train.run(config, run)
+    recorded = run.recorded_config("train")
+    assert recorded["resolved_lr"] == pytest.approx(0.025)  # 0.1 x 64 / 256
+    why = recorded["lr_found_by"]
+    assert why.startswith("linear-scaling rule (0.1 per 256 images a step; the range tests' "
+                          "loss fell too little to read (the smoothed loss went from 2.3 to "
+                          f"2.25), and {lr_range.PROBE_STEPS} steps at it learned: the "
+                          "validation loss went from ")
+    assert _lr_sentence({"learning_rate": {"value": 0.025, "found_by": why}}).startswith(
+        " Peak learning rate 0.025, by Goyal et al.'s linear-scaling rule (0.1 per 256 images a "
+        "step): the range tests' loss fell too little to read")
+    real = datasets.load_splits
+
+    def shuffled(config, *args, **kwargs):
+        splits = real(config, *args, **kwargs)
+        shuffle = torch.Generator().manual_seed(1)
+        for split in (splits.train, splits.val):
+            images, labels = split.tensors
+            split.tensors = (images, labels[torch.randperm(len(labels), generator=shuffle)])
+        return splits
+
+    monkeypatch.setattr(train, "load_splits", shuffled)
+    refused = artifacts.create_run(tmp_path, "shuffled")
+    with pytest.raises(lr_range.NothingLearned, match=r"^--lr auto: nothing was learned: the "
+                       r"training loss never fell in the range tests .* did not beat guessing "
+                       r"beyond noise .*check that the labels belong to the images"):
+        train.run(config, refused)
+    assert "amp" not in refused.artifacts() and "fp32" not in refused.artifacts()
 
 
 def test_a_range_test_longer_than_the_training_gives_way_to_the_linear_scaling_rule(
