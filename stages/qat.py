@@ -30,7 +30,7 @@ from stages.run.progress import say
 from stages.runtimes import qat as qat_runtime
 from stages.runtimes.context import QuantContext, context
 from stages.training import batchnorm, plans
-from stages.training.loop import CosineSchedule, Hooks, Loop, Parts, decay_groups, fit
+from stages.training.loop import CosineSchedule, Hooks, Loop, Parts, Seen, decay_groups, fit
 from stages.training.precision import Precision, grad_scaler, resolve_device, seed_everything
 
 
@@ -172,12 +172,12 @@ def _divergence(tuning: Tuning, epoch: int):
             raise
         raise Diverged(
             f"qat: the fake-quantized model diverged at epoch {epoch} step "
-            f"{tuning.loop.pos['step_in_epoch'] + 1}: its weights or activations became NaN "
+            f"{tuning.loop.pos.step_in_epoch + 1}: its weights or activations became NaN "
             f"or infinite; {_advice(tuning)}") from None
 
 
-def _check_loss(tuning: Tuning, seen: dict, epoch: int) -> None:
-    if seen["first_bad"] >= 0:
+def _check_loss(tuning: Tuning, seen: Seen, epoch: int) -> None:
+    if seen.first_bad >= 0:
         raise Diverged(f"qat: the loss became NaN or infinite at epoch {epoch}; "
                        f"{_advice(tuning)}")
 

@@ -41,7 +41,7 @@ from stages.run.files import (
 )
 from stages.run.progress import say
 from stages.training import batchnorm, distributed, failures, lr_range, plans
-from stages.training.loop import Hooks, Loop, build_parts, fit
+from stages.training.loop import Hooks, Loop, Seen, build_parts, fit
 from stages.training.memory import PeakMemory, peak_memory_in_fresh_process
 from stages.training.precision import (
     Precision,
@@ -125,8 +125,8 @@ def _start(variant: str, precision: Precision, splits: DataSplits, config, run: 
     if found:
         model.resumed_from, state = found
         loop.restore(state, best_weights(run, variant))
-        say(f"{variant}: resuming from {model.resumed_from} (epoch {loop.pos['epoch']}, step "
-            f"{loop.pos['step_in_epoch']}/{len(loop.parts.loader)})", quiet=not world.is_main)
+        say(f"{variant}: resuming from {model.resumed_from} (epoch {loop.pos.epoch}, step "
+            f"{loop.pos.step_in_epoch}/{len(loop.parts.loader)})", quiet=not world.is_main)
     model.chance = failures.chance(splits.val)
     return model
 
@@ -141,17 +141,17 @@ def _hooks(model: Model, budget: float | None) -> Hooks:
                  checkpoint=partial(_checkpoint, model))
 
 
-def _check(model: Model, seen: dict, epoch: int, epoch_start: int) -> None:
+def _check(model: Model, seen: Seen, epoch: int, epoch_start: int) -> None:
     """Stop on a NaN loss or too many skipped steps in a row."""
     loop = model.loop
-    if seen["first_bad"] >= 0:
+    if seen.first_bad >= 0:
         raise PipelineError(failures.nan_message(
-            model.variant, loop.precision, loop.device, epoch, seen["first_bad"] - epoch_start + 1,
+            model.variant, loop.precision, loop.device, epoch, seen.first_bad - epoch_start + 1,
             model.folder, model.baseline_finite))
-    if seen["longest_run"] > model.config.max_skipped_steps:
+    if seen.longest_run > model.config.max_skipped_steps:
         raise PipelineError(
-            f"{model.variant}: GradScaler skipped {seen['longest_run']} optimizer steps in a "
-            f"row (inf/NaN gradients) up to epoch {epoch} step {loop.pos['step_in_epoch']}; "
+            f"{model.variant}: GradScaler skipped {seen.longest_run} optimizer steps in a "
+            f"row (inf/NaN gradients) up to epoch {epoch} step {loop.pos.step_in_epoch}; "
             "lower --lr, add --grad-clip or use --precision bf16")
 
 
@@ -176,15 +176,15 @@ def _end_epoch(model: Model, budget: float | None, epoch: int, record: dict,
     """Plan the epochs left, stop on a plateau, write metrics.jsonl and the epoch's
     checkpoint, and say how the epoch went."""
     loop, config, totals = model.loop, model.config, model.loop.totals
-    totals["stopped"] = plans.planned_end(loop, epoch, budget)
-    record |= {"lr": loop.parts.scheduler.get_last_lr()[0], "seconds": totals["seconds"],
-               "samples_per_second": totals["samples"] / totals["seconds"],
-               "skipped_steps": totals["skipped"],
+    totals.stopped = plans.planned_end(loop, epoch, budget)
+    record |= {"lr": loop.parts.scheduler.get_last_lr()[0], "seconds": totals.seconds,
+               "samples_per_second": totals.samples / totals.seconds,
+               "skipped_steps": totals.skipped,
                "skipped_images": model.splits.skipped_images}
     patience = config.patience
-    if patience and not totals["stopped"] and epoch - totals["best_epoch"] >= patience:
-        totals["stopped"] = (f"plateau: validation accuracy did not improve for {patience} "
-                             f"epochs after epoch {totals['best_epoch']}")
+    if patience and not totals.stopped and epoch - totals.best_epoch >= patience:
+        totals.stopped = (f"plateau: validation accuracy did not improve for {patience} "
+                             f"epochs after epoch {totals.best_epoch}")
     is_main = distributed.current().is_main
     if is_main:
         atomic_write_text(model.folder / "metrics.jsonl",
@@ -235,7 +235,7 @@ def _finish(model: Model, memory) -> TrainResult:
                  stage="train", parent=variant)
     run.register(variant, model.folder / "model.pt", kind="model", stage="train",
                  config=asdict(config), format="pytorch", model_spec=model.spec,
-                 chosen=f"epoch {loop.totals['best_epoch']}, best validation accuracy",
+                 chosen=f"epoch {loop.totals.best_epoch}, best validation accuracy",
                  initial_weights={"file": config.init_weights, "torchvision": config.weights,
                                   "adapted": loop.parts.notes},
                  training=asdict(result) | {"weights_sha256_all_ranks": digests[0]},
@@ -246,23 +246,23 @@ def _finish(model: Model, memory) -> TrainResult:
 def _result(model: Model, memory) -> TrainResult:
     loop, splits, totals = model.loop, model.splits, model.loop.totals
     last = loop.history[-1] if loop.history else {"loss": float("nan"), "train_accuracy": 0.0}
-    best_record = next((h for h in loop.history if h["epoch"] == totals["best_epoch"]), last)
+    best_record = next((h for h in loop.history if h["epoch"] == totals.best_epoch), last)
     on_cuda = loop.device.type == "cuda"
     return TrainResult(
         variant=model.variant, precision=loop.precision.name, device=str(loop.device),
-        world_size=distributed.current().world_size, seconds=totals["seconds"],
-        samples_per_second=totals["samples"] / totals["seconds"] if totals["seconds"] else 0.0,
+        world_size=distributed.current().world_size, seconds=totals.seconds,
+        samples_per_second=totals.samples / totals.seconds if totals.seconds else 0.0,
         peak_memory_bytes=int(memory.peak) if on_cuda else 0,
         peak_memory_method=memory.method if on_cuda else "",
         test_accuracy=dataset_accuracy(loop.parts.model, splits.test, loop.device),
-        val_accuracy=totals["best_val"], best_epoch=totals["best_epoch"],
-        skipped_steps=totals["skipped"],
-        optimizer_steps=loop.pos["global_step"] - totals["skipped"], final_loss=last["loss"],
+        val_accuracy=totals.best_val, best_epoch=totals.best_epoch,
+        skipped_steps=totals.skipped,
+        optimizer_steps=loop.pos.global_step - totals.skipped, final_loss=last["loss"],
         epochs=model.config.epochs, resumed_from=model.resumed_from,
-        epochs_run=len(loop.history), stopped=totals["stopped"],
+        epochs_run=len(loop.history), stopped=totals.stopped,
         isa=isa() if not on_cuda else None,
         val_at_chance=failures.at_chance(best_record.get("train_accuracy", 0.0),
-                                         totals["best_val"], model.chance, len(splits.val)),
+                                         totals.best_val, model.chance, len(splits.val)),
         skipped_images=splits.skipped_images)
 
 

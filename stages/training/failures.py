@@ -12,6 +12,7 @@ from stages.data.loaders import make_loader
 from stages.run import signals
 from stages.run.errors import PipelineError
 from stages.run.progress import say
+from stages.training.loop import Position
 
 
 def stop_workers(data_iterator) -> None:
@@ -38,7 +39,7 @@ def is_worker_failure(exc: BaseException, data_iterator=None) -> bool:
 
 
 @contextlib.contextmanager
-def worker_failures(variant: str, epoch: int, pos: dict, folder: Path, data_iterator):
+def worker_failures(variant: str, epoch: int, pos: Position, folder: Path, data_iterator):
     """A DataLoader worker that dies or goes silent becomes one clear error. The death is
     reported by a SIGCHLD handler, so it can surface anywhere in the epoch, not only where the
     next batch is fetched; checkpoints already written stay as they are."""
@@ -62,7 +63,7 @@ def worker_failures(variant: str, epoch: int, pos: dict, folder: Path, data_iter
                     raise
         raise PipelineError(
             f"{variant}: a DataLoader worker died or hung at epoch {epoch} step "
-            f"{pos['step_in_epoch'] + 1} ({first.splitlines()[0][:160]}); checkpoints in "
+            f"{pos.step_in_epoch + 1} ({first.splitlines()[0][:160]}); checkpoints in "
             f"{folder} are intact: fix the data or use --workers 0, then 'pipeline train "
             "--resume'") from None
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Callable, ContextManager
 
 from stages.data.datasets import DataSplits
 from stages.data.loaders import EpochSampler, make_loader
@@ -108,6 +108,50 @@ def build_parts(config, splits: DataSplits, precision: Precision, device) -> Par
                  sampler, loader, notes)
 
 
+@dataclass
+class Seen:
+    """The steps since the sums were last read, as the host sees them, summed over ranks."""
+
+    loss: float  # summed over the images (a non-finite loss counts 0)
+    correct: int
+    seen: int  # images
+    skipped: int  # optimizer steps GradScaler skipped
+    longest_run: int  # of skipped steps in a row, a run carried over from earlier reads
+    first_bad: int  # the first global step whose loss was not finite; -1: none
+
+
+@dataclass
+class Position:
+    """Where a model's training stands; a checkpoint saves it and a resume starts from it."""
+
+    epoch: int = 1
+    step_in_epoch: int = 0
+    global_step: int = 0
+
+
+@dataclass
+class EpochSums:
+    """The epoch's sums already on the host: a checkpoint inside an epoch folds them in."""
+
+    loss: float = 0.0
+    correct: int = 0
+    seen: int = 0
+
+
+@dataclass
+class Totals:
+    """What one model's training has come to so far."""
+
+    skipped: int = 0  # optimizer steps GradScaler skipped
+    seconds: float = 0.0  # in optimizer steps
+    samples: int = 0  # images trained on
+    best_val: float = -1.0  # the best validation accuracy, and its epoch
+    best_epoch: int = 0
+    wall: float = 0.0  # steps, scoring and checkpoints: the pace a time plan reads
+    planned_epochs: int | None = None  # where a time plan cut the epochs
+    stopped: str = ""  # why training ended (epochs, time, plateau); "": it goes on
+
+
 class DeviceSums:
     """Running sums of one epoch and the health of the steps, kept as tensors on the device."""
 
@@ -136,7 +180,7 @@ class DeviceSums:
             self.in_a_row = (self.in_a_row + 1) * skipped
             self.longest_run = torch.maximum(self.longest_run, self.in_a_row)
 
-    def read(self) -> dict:
+    def read(self) -> Seen:
         """The host's view, once: one transfer of a few numbers, summed over ranks."""
         import torch
 
@@ -144,8 +188,7 @@ class DeviceSums:
                               self.skipped.double(), self.longest_run.double(),
                               self.first_bad.double()])
         loss, correct, seen, skipped, longest, first_bad = distributed.reduce_health(values)
-        return {"loss": loss, "correct": int(correct), "seen": int(seen),
-                "skipped": int(skipped), "longest_run": int(longest), "first_bad": int(first_bad)}
+        return Seen(loss, int(correct), int(seen), int(skipped), int(longest), int(first_bad))
 
 
 def train_step(parts: Parts, precision: Precision, device, grad_clip: float, images, labels,
@@ -182,15 +225,16 @@ class Hooks:
     each read of the sums, checkpoint where --checkpoint-every falls inside the epoch, score
     after the steps, end_epoch last."""
 
-    score: Callable[[int], float]  # (epoch) -> the model's validation accuracy as it stands
-    # (sums read, epoch, global step the epoch began at): raise where the steps went wrong
-    check: Callable[[dict, int, int], None]
-    # (epoch, its record, already in the history, improved): add the stage's fields to the
-    # record, plan the epochs left, write, say
+    score: Callable[[int], float]  # the model's validation accuracy after an epoch
+    # The steps read, the epoch and the global step it began at: raise where they went wrong.
+    check: Callable[[Seen, int, int], None]
+    # The epoch, its record (already in the history), whether it improved: add the stage's
+    # fields to the record, plan the epochs left, write, say.
     end_epoch: Callable[[int, dict, bool], None]
     start_epoch: Callable[[int], None] = lambda epoch: None
-    # (epoch, the loader's iterator) -> a context manager around the epoch's steps
-    guard: Callable = lambda epoch, data_iterator: contextlib.nullcontext()
+    # The epoch and the loader's iterator -> a context manager around the epoch's steps.
+    guard: Callable[[int, object], ContextManager] = (
+        lambda epoch, data_iterator: contextlib.nullcontext())
     checkpoint: Callable[[], None] = lambda: None
 
 
@@ -204,18 +248,14 @@ class Loop:
     parts: Parts
     precision: Precision
     device: object
-    epochs: int  # as asked; a time plan may cut them (totals["planned_epochs"])
+    epochs: int  # as asked; a time plan may cut them (totals.planned_epochs)
     batch_size: int
     grad_clip: float = 0.0
     checkpoint_every: int = 0  # steps; 0: at epoch ends only
     quiet: bool = False
-    pos: dict = field(default_factory=lambda: {"epoch": 1, "step_in_epoch": 0,
-                                               "global_step": 0})
-    sums: dict = field(default_factory=lambda: {"loss": 0.0, "correct": 0, "seen": 0})
-    totals: dict = field(default_factory=lambda: {"skipped": 0, "seconds": 0.0, "samples": 0,
-                                                  "best_val": -1.0, "best_epoch": 0,
-                                                  "wall": 0.0, "planned_epochs": None,
-                                                  "stopped": ""})
+    pos: Position = field(default_factory=Position)
+    sums: EpochSums = field(default_factory=EpochSums)
+    totals: Totals = field(default_factory=Totals)
     history: list = field(default_factory=list)
     best: dict | None = None  # weights of the epoch with the best validation accuracy
     in_a_row: object = None  # GradScaler's skips in a row, carried across epochs
@@ -223,44 +263,45 @@ class Loop:
     @property
     def planned_epochs(self) -> int:
         """The epochs this model trains for: as asked, or fewer where a time plan cut them."""
-        return self.totals["planned_epochs"] or self.epochs
+        return self.totals.planned_epochs or self.epochs
 
     def state(self) -> dict:
         return {"model": self.parts.model.state_dict(),
                 "optimizer": self.parts.optimizer.state_dict(),
                 "scheduler": self.parts.scheduler.state_dict(),
-                "scaler": self.parts.scaler.state_dict(), "position": dict(self.pos),
-                "sums": dict(self.sums), "totals": dict(self.totals),
+                "scaler": self.parts.scaler.state_dict(), "position": asdict(self.pos),
+                "sums": asdict(self.sums), "totals": asdict(self.totals),
                 "history": list(self.history), "rng": rng_state()}
 
     def restore(self, state: dict, best: dict | None) -> None:
         for part in ("model", "optimizer", "scheduler", "scaler"):
             getattr(self.parts, part).load_state_dict(state[part])
-        self.pos, self.sums = state["position"], state["sums"]
-        self.totals |= state["totals"]
+        # Plain dicts in the file (weights-only loading takes no classes of ours).
+        self.pos, self.sums = Position(**state["position"]), EpochSums(**state["sums"])
+        self.totals = Totals(**asdict(self.totals) | state["totals"])
         self.history, self.best = state["history"], best
         restore_rng(state["rng"])
 
 
 def fit(loop: Loop, hooks: Hooks) -> None:
     """Train from where ``loop`` stands until its planned epochs are done or end_epoch set
-    totals["stopped"], then load the weights of the epoch best on validation."""
+    totals.stopped, then load the weights of the epoch best on validation."""
     steps_per_epoch = len(loop.parts.loader)
-    while loop.pos["epoch"] <= loop.planned_epochs and not loop.totals["stopped"]:
-        epoch = loop.pos["epoch"]
-        if loop.pos["step_in_epoch"] < steps_per_epoch:  # not resumed at its very end
+    while loop.pos.epoch <= loop.planned_epochs and not loop.totals.stopped:
+        epoch = loop.pos.epoch
+        if loop.pos.step_in_epoch < steps_per_epoch:  # not resumed at its very end
             started = time.perf_counter()
             seen = _steps(loop, hooks, epoch)
-            loop.totals["wall"] += time.perf_counter() - started
+            loop.totals.wall += time.perf_counter() - started
             started = time.perf_counter()
             _end_epoch(loop, hooks, epoch, seen)
-            loop.totals["wall"] += time.perf_counter() - started  # scoring, checkpoints
-        loop.pos.update(epoch=epoch + 1, step_in_epoch=0)
+            loop.totals.wall += time.perf_counter() - started  # scoring, checkpoints
+        loop.pos.epoch, loop.pos.step_in_epoch = epoch + 1, 0
     if loop.best is not None:
         loop.parts.model.load_state_dict(loop.best)
 
 
-def _steps(loop: Loop, hooks: Hooks, epoch: int) -> dict:
+def _steps(loop: Loop, hooks: Hooks, epoch: int) -> Seen:
     """The optimizer steps of one epoch (from where a resume left off), with the checkpoints
     --checkpoint-every asks for inside it; returns the epoch's sums read from the device."""
     parts, pos, device = loop.parts, loop.pos, loop.device
@@ -268,30 +309,30 @@ def _steps(loop: Loop, hooks: Hooks, epoch: int) -> dict:
     check_every = 1 if device.type == "cpu" else LOG_EVERY_CUDA
     parts.trained.train()
     hooks.start_epoch(epoch)
-    parts.sampler.set_epoch(epoch, start=pos["step_in_epoch"] * loop.batch_size)
+    parts.sampler.set_epoch(epoch, start=pos.step_in_epoch * loop.batch_size)
     data_iterator = iter(parts.loader)
     bar = progress(data_iterator, desc=f"{loop.name} {epoch}/{loop.planned_epochs}",
                    quiet=loop.quiet, total=steps_per_epoch)
     device_sums = DeviceSums(device, loop.in_a_row)
-    epoch_start = pos["global_step"] - pos["step_in_epoch"]
+    epoch_start = pos.global_step - pos.step_in_epoch
     started = time.perf_counter()
     with hooks.guard(epoch, data_iterator):
         for images, labels in bar:
             train_step(parts, loop.precision, device, loop.grad_clip, images, labels,
-                       device_sums, pos["global_step"])
-            pos["step_in_epoch"] += 1
-            pos["global_step"] += 1
+                       device_sums, pos.global_step)
+            pos.step_in_epoch += 1
+            pos.global_step += 1
             every = loop.checkpoint_every
-            checkpoint_now = (every and pos["global_step"] % every == 0
-                              and pos["step_in_epoch"] < steps_per_epoch)
-            if pos["step_in_epoch"] % check_every and not checkpoint_now:
+            checkpoint_now = (every and pos.global_step % every == 0
+                              and pos.step_in_epoch < steps_per_epoch)
+            if pos.step_in_epoch % check_every and not checkpoint_now:
                 continue
             seen = device_sums.read()
             hooks.check(seen, epoch, epoch_start)
-            shown = {k: loop.sums[k] + seen[k] for k in ("loss", "correct", "seen")}
-            if hasattr(bar, "set_postfix") and shown["seen"]:
-                bar.set_postfix(loss=f"{shown['loss'] / shown['seen']:.3f}",
-                                acc=f"{shown['correct'] / shown['seen']:.3f}", refresh=False)
+            shown = _with(loop.sums, seen)
+            if hasattr(bar, "set_postfix") and shown.seen:
+                bar.set_postfix(loss=f"{shown.loss / shown.seen:.3f}",
+                                acc=f"{shown.correct / shown.seen:.3f}", refresh=False)
             if checkpoint_now:  # a checkpoint holds host numbers: the device's sums go in first
                 _fold(loop, seen, started)
                 loop.sums = shown
@@ -309,22 +350,26 @@ def _steps(loop: Loop, hooks: Hooks, epoch: int) -> dict:
     return seen
 
 
-def _fold(loop: Loop, seen: dict, started: float) -> None:
-    loop.totals["seconds"] += time.perf_counter() - started
-    loop.totals["skipped"] += seen["skipped"]
+def _with(sums: EpochSums, seen: Seen) -> EpochSums:
+    return EpochSums(sums.loss + seen.loss, sums.correct + seen.correct, sums.seen + seen.seen)
 
 
-def _end_epoch(loop: Loop, hooks: Hooks, epoch: int, seen: dict) -> None:
+def _fold(loop: Loop, seen: Seen, started: float) -> None:
+    loop.totals.seconds += time.perf_counter() - started
+    loop.totals.skipped += seen.skipped
+
+
+def _end_epoch(loop: Loop, hooks: Hooks, epoch: int, seen: Seen) -> None:
     """Score the validation split, keep the best weights, and record the epoch."""
-    loss_sum, correct, count = (loop.sums[k] + seen[k] for k in ("loss", "correct", "seen"))
-    loop.totals["samples"] += count
+    epoch_sums = _with(loop.sums, seen)
+    loop.totals.samples += epoch_sums.seen
     val_acc = hooks.score(epoch)
-    record = {"epoch": epoch, "loss": loss_sum / count, "train_accuracy": correct / count,
-              "val_accuracy": val_acc}
-    improved = val_acc > loop.totals["best_val"]
+    record = {"epoch": epoch, "loss": epoch_sums.loss / epoch_sums.seen,
+              "train_accuracy": epoch_sums.correct / epoch_sums.seen, "val_accuracy": val_acc}
+    improved = val_acc > loop.totals.best_val
     if improved:
-        loop.totals.update(best_val=val_acc, best_epoch=epoch)
+        loop.totals.best_val, loop.totals.best_epoch = val_acc, epoch
         loop.best = cpu_state_dict(loop.parts.model, clone=True)
     loop.history.append(record)
-    loop.sums = {"loss": 0.0, "correct": 0, "seen": 0}
+    loop.sums = EpochSums()
     hooks.end_epoch(epoch, record, improved)

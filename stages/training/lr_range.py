@@ -230,8 +230,8 @@ def range_test(config, splits, precision, device, steps: int = MAX_STEPS) -> dic
         sums = DeviceSums(device)
         train_step(parts, precision, device, probe.grad_clip, images, labels, sums, len(lrs))
         seen = sums.read()
-        loss = seen["loss"] / max(seen["seen"], 1)
-        if seen["first_bad"] >= 0 or not math.isfinite(loss):
+        loss = seen.loss / max(seen.seen, 1)
+        if seen.first_bad >= 0 or not math.isfinite(loss):
             break
         average = SMOOTHING * average + (1 - SMOOTHING) * loss
         smoothed = average / (1 - SMOOTHING ** (len(lrs) + 1))

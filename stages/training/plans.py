@@ -19,7 +19,7 @@ def epochs_that_fit(budget: float, done: int, seconds: float, asked: int) -> int
 
 def cut(loop: Loop, epochs: int) -> None:
     """Plan ``epochs`` in all, the schedule's cosine ending with them."""
-    loop.totals["planned_epochs"] = epochs
+    loop.totals.planned_epochs = epochs
     loop.parts.scheduler.lr_lambdas[0].total_steps = epochs * len(loop.parts.loader)
 
 
@@ -31,13 +31,13 @@ def planned_end(loop: Loop, epoch: int, budget: float | None) -> str:
     than planned before (a schedule stretched again would raise the learning rate)."""
     totals, planned = loop.totals, loop.planned_epochs
     if budget is not None:
-        fits = epochs_that_fit(budget, epoch, totals["wall"], loop.epochs)
+        fits = epochs_that_fit(budget, epoch, totals.wall, loop.epochs)
         fits = distributed.broadcast(fits)  # ranks timed apart must still stop together
         if fits < planned:
             planned = fits
             cut(loop, fits)
             say(f"{loop.name}: --time {budget:.0f}s for this model fits {fits} of "
-                f"{loop.epochs} epochs at {totals['wall'] / epoch:.1f} s each; the "
+                f"{loop.epochs} epochs at {totals.wall / epoch:.1f} s each; the "
                 "learning-rate schedule ends with them", quiet=loop.quiet)
     if epoch < planned:
         return ""

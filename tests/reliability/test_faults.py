@@ -21,6 +21,7 @@ from stages import train
 from stages.run import artifacts, files, loading
 from stages.run.errors import PipelineError
 from stages.training import failures
+from stages.training.loop import Position
 from tests.conftest import TINY_TRAIN
 
 # 94 MB checkpoints after every one of 12 cheap steps: nearly all the time goes to writing them.
@@ -171,11 +172,11 @@ def test_a_worker_death_seen_twice_is_still_one_clear_error(tmp_path, monkeypatc
     loader = SimpleNamespace(_shutdown_workers=lambda: None, _workers=[dead])
     with pytest.raises(PipelineError, match=r"^amp: a DataLoader worker died or hung at epoch 2 "
                        r"step 4 \(\[Errno 104\] Connection reset by peer\)"):
-        with failures.worker_failures("amp", 2, {"step_in_epoch": 3}, tmp_path, loader):
+        with failures.worker_failures("amp", 2, Position(step_in_epoch=3), tmp_path, loader):
             raise ConnectionResetError(104, "Connection reset by peer")
     assert calls == [loader, loader]
     with pytest.raises(ValueError, match="not the loader's"):  # other errors pass untouched
-        with failures.worker_failures("amp", 2, {"step_in_epoch": 3}, tmp_path, loader):
+        with failures.worker_failures("amp", 2, Position(step_in_epoch=3), tmp_path, loader):
             raise ValueError("not the loader's")
     # A broken connection where every worker is alive, or with no workers at all, is the
     # dataset's own (a network read), not a worker's death.
@@ -183,7 +184,7 @@ def test_a_worker_death_seen_twice_is_still_one_clear_error(tmp_path, monkeypatc
                             _workers=[SimpleNamespace(is_alive=lambda: True)])
     for iterator in (alive, iter([])):
         with pytest.raises(ConnectionResetError, match="the data server"):
-            with failures.worker_failures("amp", 2, {"step_in_epoch": 3}, tmp_path, iterator):
+            with failures.worker_failures("amp", 2, Position(step_in_epoch=3), tmp_path, iterator):
                 raise ConnectionResetError(104, "the data server reset the connection")
 
 
