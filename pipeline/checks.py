@@ -6,43 +6,55 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
-TYPE_NAMES = {"bool": "true or false", "int": "a whole number", "float": "a number",
-              "str": "a string", "tuple[str, ...]": "a list of strings or a comma list",
-              "tuple[int, ...]": "a list of whole numbers or a comma list"}
+TYPE_NAMES = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
 DURATION_FIELDS = ("tuning_time", "time")  # a TOML file may give these as "5m"
 
 
-def _fits(value: Any, kind: str) -> bool:
-    """Whether ``value`` has the type a dataclass field declares (declared as a string)."""
-    if kind.endswith(" | None"):
-        return value is None or _fits(value, kind[: -len(" | None")])
-    if kind == "bool":
+def _fits(value: Any, kind: Any) -> bool:
+    """Whether ``value`` has the type a dataclass field declares (a resolved type hint)."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return any(_fits(value, option) for option in typing.get_args(kind))
+    if kind is type(None):
+        return value is None
+    if kind is bool:
         return isinstance(value, bool)
-    if kind == "int":
+    if kind is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "float":
+    if kind is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind == "str":
+    if kind is str:
         return isinstance(value, str)
-    if kind.startswith("tuple["):
-        element = kind[len("tuple["):].split(",")[0]
+    if typing.get_origin(kind) is tuple:  # a comma list, or a list of its element type
+        element = typing.get_args(kind)[0]
         return isinstance(value, str) or (isinstance(value, (list, tuple)) and all(
             _fits(item, element) for item in value))
     return True
 
 
+def _wanted(kind: Any) -> str:
+    options = [option for option in typing.get_args(kind) if option is not type(None)]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return " or ".join(_wanted(option) for option in options)
+    if typing.get_origin(kind) is tuple:
+        return f"a list of {_wanted(options[0]).removeprefix('a ')}s or a comma list"
+    return TYPE_NAMES.get(kind, str(kind))
+
+
 def type_error(cls, values: dict[str, Any]) -> str | None:
-    """The first value whose type its field does not allow, as 'name: expected, got value'."""
-    kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+    """The first value whose type its field does not allow, as 'must be expected, got value'."""
+    kinds = typing.get_type_hints(cls)
     for name, value in values.items():
         kind = kinds.get(name)
         if kind is not None and not _fits(value, kind):
-            wanted = TYPE_NAMES.get(kind.removesuffix(" | None"), kind)
-            return f"must be {wanted}, got {value!r}"
+            without_none = [k for k in typing.get_args(kind) if k is not type(None)]
+            return f"must be {_wanted(without_none[0] if len(without_none) == 1 else kind)}, " \
+                   f"got {value!r}"
     return None
 
 

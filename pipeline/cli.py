@@ -20,8 +20,8 @@ from pipeline.click_support import (
     PipelineGroup,
     as_usage_error,
     config_from_flags,
-    data_options,
     run_options,
+    stage_options,
     take_run_options,
     with_group_values,
 )
@@ -88,49 +88,7 @@ def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Pa
 @cli.command(context_settings=CONTEXT)
 @click.option("--resume", is_flag=True, help="Continue the latest run (or --run NAME) from its "
               "newest good checkpoint, with the configuration it was started with.")
-@data_options
-@click.option("--epochs", type=int, help="Epochs at most.  [default: 5; with --time, what "
-              "fits it]")
-@click.option("--time", metavar="DURATION", help="Time for the stage (90s, 10m, 1h): what "
-              "loading the data and --lr auto's range test leave is shared by the models "
-              "trained; after each epoch the epochs that fit at the pace so far are planned "
-              "again, the learning-rate schedule with them.  [default: no limit]")
-@click.option("--patience", type=int, metavar="EPOCHS", help="Stop once validation accuracy has "
-              "not improved for this many epochs; the best epoch is kept.  [default: 5]")
-@click.option("--batch-size", type=int, help="[default: 64]")
-@click.option("--lr", metavar="LR|auto", help="Peak learning rate of SGD (cosine, warm-up); "
-              "auto: found by a learning-rate range test (150 steps, then 450 where the loss "
-              "did not fall; the linear-scaling rule where the test would outrun training, or "
-              "where neither test could be read and 450 steps at it beat guessing on "
-              "validation).  [default: auto]")
-@click.option("--weight-decay", type=float, help="[default: 5e-4]")
-@click.option("--label-smoothing", type=float, help="[default: 0]")
-@click.option("--grad-clip", type=float, help="Max gradient norm, 0 for none (clips after "
-              "unscaling).  [default: 0]")
-@click.option("--precision", type=click.Choice(cfg.PRECISIONS),
-              help="Autocast type of the amp model; auto: fp16 with GradScaler on CUDA; on a CPU "
-                   "bf16 where it has bf16 instructions (AVX-512 BF16, AMX), else fp32.")
-@click.option("--baseline/--no-baseline", default=None, help="Also train the fp32 baseline.  "
-              "[default: baseline]")
-@click.option("--init-weights", type=click.Path(dir_okay=False), metavar="FILE",
-              help="Start from this state_dict or checkpoint (weights-only); a classifier for "
-                   "another number of classes is replaced.")
-@click.option("--weights", metavar="NAME", help="Start from torchvision's pretrained weights "
-              "(DEFAULT, IMAGENET1K_V1, ...), read from the local torch hub cache.")
-@click.option("--workers", type=int, help="DataLoader worker processes.  [default: 0]")
-@click.option("--loader-timeout", type=float, metavar="SECONDS",
-              help="Give up on a DataLoader worker silent this long.  [default: 300]")
-@click.option("--checkpoint-every", type=int, metavar="STEPS",
-              help="Also checkpoint every STEPS optimizer steps.  [default: 0, epochs only]")
-@click.option("--keep-checkpoints", type=int, help="Newest checkpoints kept (plus the best).  "
-              "[default: 2]")
-@click.option("--max-skipped-steps", type=int, help="Stop when GradScaler skips more steps than "
-              "this in a row.  [default: 25]")
-@click.option("--deterministic/--no-deterministic", default=None,
-              help="torch.use_deterministic_algorithms, for bit-identical resumes.")
-@click.option("--measure-memory/--no-measure-memory", default=None,
-              help="Measure each model's training memory in a fresh process (a few seconds "
-                   "each).  [default: measure]")
+@stage_options("train")
 @run_options
 @click.pass_context
 def train(ctx: click.Context, resume: bool, **flags) -> Processor:
@@ -163,9 +121,7 @@ def train(ctx: click.Context, resume: bool, **flags) -> Processor:
 
 
 @cli.command("import", context_settings=CONTEXT)
-@data_options
-@click.option("--weights", metavar="FILE|NAME", help="The weights to import: a state_dict or "
-              "checkpoint file (weights-only), or torchvision's pretrained weights by name.")
+@stage_options("import")
 @run_options
 @click.pass_context
 def import_(ctx: click.Context, **flags) -> Processor:
@@ -186,22 +142,7 @@ def import_(ctx: click.Context, **flags) -> Processor:
 
 
 @cli.command(context_settings=CONTEXT)
-@click.option("--epochs", type=int, help="Epochs of fine-tuning.  [default: 10]")
-@click.option("--lr", type=float, help="Peak learning rate.  [default: 0.005]")
-@click.option("--batch-size", type=int, help="[default: 64]")
-@click.option("--freeze-bn-after", type=int, metavar="EPOCHS",
-              help="BatchNorm statistics stop updating after this many epochs.  "
-                   "[default: half of --epochs]")
-@click.option("--freeze-observers-after", type=int, metavar="EPOCHS",
-              help="Quantization ranges stop updating after this many epochs.  "
-                   "[default: 70% of --epochs]")
-@click.option("--precision", type=click.Choice(cfg.PRECISIONS),
-              help="Autocast type of the fine-tuning; auto: fp32, which torchao's fake "
-                   "quantizers need (bf16 or fp16 fail where an activation reaches one in "
-                   "half precision).")
-@click.option("--tuning-time", metavar="DURATION",
-              help="Time the fine-tuning may take (90s, 5m, 1h): once an epoch is timed, the "
-                   "epochs and the freezes are cut to what fits.  [default: no limit]")
+@stage_options("qat")
 @run_options
 @click.pass_context
 def qat(ctx: click.Context, **flags) -> Processor:
@@ -219,32 +160,7 @@ def qat(ctx: click.Context, **flags) -> Processor:
 
 
 @cli.command(context_settings=CONTEXT)
-@click.option("--methods", help="Comma list of " + ", ".join(cfg.QUANT_METHODS) +
-              ", or all.  [default: all]")
-@click.option("--calibration-samples", type=int,
-              help="Training images static quantization observes.  [default: 512]")
-@click.option("--calibration-method", type=click.Choice(cfg.CALIBRATION_METHODS),
-              help="ONNX Runtime static calibration.  [default: minmax]")
-@click.option("--per-channel/--per-tensor", default=None,
-              help="ONNX Runtime static weight scales.  [default: per-tensor]")
-@click.option("--ort-types", type=click.Choice(cfg.ORT_TYPES),
-              help="ORT activation/weight types.  [default: u8s8]")
-@click.option("--ort-format", type=click.Choice(cfg.ORT_FORMATS),
-              help="ORT static graph format; QOperator only on request.  [default: qdq]")
-@click.option("--equalize/--no-equalize", default=None,
-              help="Cross-layer equalization of the float model before torch-static and "
-                   "ort-static (outputs unchanged; evens per-channel weight ranges).  [default: "
-                   "with per-tensor weights; --auto also tries it for torch-static]")
-@click.option("--auto", is_flag=True, default=None,
-              help="Try several static configurations per backend on held-out training images; "
-                   "keep the fastest within --max-accuracy-drop.")
-@click.option("--max-accuracy-drop", type=float, metavar="POINTS",
-              help="Held-out accuracy (points) a static model may lose against its float "
-                   "source, at 95% confidence; beyond it, sensitive layers stay float, and a "
-                   "model that still misses it is not kept.  [default: 1.0]")
-@click.option("--tuning-time", metavar="DURATION",
-              help="Time each static backend's search may take (90s, 5m, 1h): what was not "
-                   "reached is not tried.  [default: no limit]")
+@stage_options("quantize")
 @run_options
 @click.pass_context
 def quantize(ctx: click.Context, **flags) -> Processor:
@@ -265,35 +181,7 @@ def quantize(ctx: click.Context, **flags) -> Processor:
 
 
 @cli.command(context_settings=CONTEXT)
-@click.option("--batch-sizes", help="Comma list of batch sizes to time.  [default: 1,32]")
-@click.option("--threads", type=int, help="Threads for every runtime alike; 0: the machine's "
-              "cores, at most 8.  [default: 0]")
-@click.option("--rounds", type=int, help="Rounds of timing at least; every variant is timed in "
-              "each, the order rotated.  [default: 5]")
-@click.option("--max-rounds", type=int, help="Rounds of timing at most.  [default: 40]")
-@click.option("--repeats", type=int, help="Timed calls per variant in each round; 0: as many as "
-              "fill 50 ms.  [default: 0]")
-@click.option("--target-interval", type=float, metavar="RATIO",
-              help="Time until every speed-up against the fastest float has a 95% interval "
-                   "with high/low at most this.  [default: 1.1]")
-@click.option("--timing-budget", type=float, metavar="SECONDS",
-              help="Stop adding rounds after this long, per batch size.  [default: 20]")
-@click.option("--warmup", type=int, help="Untimed calls first.  [default: 3]")
-@click.option("--max-accuracy-drop", type=float, metavar="POINTS",
-              help="Held-out accuracy (points) the recommended variant may lose against "
-                   "the model the variants were made from (amp; fp32 where amp is its copy), "
-                   "at 95% confidence.  [default: 1.0]")
-@click.option("--fail-under-speedup", type=float, metavar="X",
-              help="Exit 1 when the recommended variant is less than X times faster than the "
-                   "model it was made from (amp; fp32 where amp is its copy).")
-@click.option("--fail-under-float-speedup", type=float, metavar="X",
-              help="Exit 1 when the recommended variant is less than X times faster than the "
-                   "fastest float variant (the report's headline ratio).")
-@click.option("--compare", multiple=True, metavar="RUN[,RUN...]",
-              help="Also put these runs' reports side by side with this one (compare.md).")
-@click.option("--time-below-amx/--no-time-below-amx", default=None,
-              help="On a CPU with AMX, also time the int8 and bf16 variants that run oneDNN "
-                   "with it capped below AMX, and say where that is faster.  [default: on]")
+@stage_options("report")
 @run_options
 @click.pass_context
 def report(ctx: click.Context, **flags) -> Processor:
@@ -319,21 +207,15 @@ def report(ctx: click.Context, **flags) -> Processor:
 
 @cli.command(cls=OptionsAnywhere, context_settings=CONTEXT)
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
-@click.option("--variant", help="A variant's name, or recommended (the report's choice).  "
-              "[default: recommended]")
-@click.option("--top-k", type=int, help="Classes printed per image.  [default: 1]")
-@click.option("--batch-size", type=int, help="Images decoded and predicted together.  "
-              "[default: 64]")
-@click.option("--json", "json_lines", is_flag=True, default=None,
-              help="One JSON object per image instead of text.")
+@stage_options("predict", "variant", "top_k", "batch_size", "json", "threads")
 @run_options
 @click.pass_context
-def predict(ctx: click.Context, paths, json_lines, **flags) -> Processor:
+def predict(ctx: click.Context, paths, **flags) -> Processor:
     """Predict image files (or folders of them) with a variant of the run: one line each.
 
     Must come last in a chain: it takes every word after it as a path or one of its options."""
     take_run_options(ctx, flags)
-    config = config_from_flags(ctx, "predict", flags | {"paths": paths, "json": json_lines})
+    config = config_from_flags(ctx, "predict", flags | {"paths": paths})
 
     def process(run) -> None:
         from stages import predict as predict_stage
@@ -345,8 +227,7 @@ def predict(ctx: click.Context, paths, json_lines, **flags) -> Processor:
 
 @cli.command("export", cls=OptionsAnywhere, context_settings=CONTEXT)
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=str))
-@click.option("--variant", help="A variant's name, or recommended (the report's choice).  "
-              "[default: recommended]")
+@stage_options("export")
 @run_options
 @click.pass_context
 def export(ctx: click.Context, **flags) -> Processor:

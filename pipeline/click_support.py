@@ -1,17 +1,21 @@
 """The Click pieces the commands of pipeline/cli.py share: the group's handling of failure (one
 line on stderr and an exit code), commands whose options may follow their paths, the --run and
---artifacts-dir a stage may carry, the data flags of train and import, and a stage config built
-from the flags (a config that cannot be is a usage error, exit 2).
+--artifacts-dir a stage may carry, each stage's options made from pipeline/flags.py and its
+config's dataclass, and a stage config built from the flags (a config that cannot be is a
+usage error, exit 2).
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
+import typing
 from pathlib import Path
 from typing import Callable
 
 import click
 
 from pipeline import config as cfg
+from pipeline.checks import DURATION_FIELDS
 
 
 class PipelineGroup(click.Group):
@@ -104,39 +108,64 @@ def config_from_flags(ctx: click.Context, stage: str, flags: dict):
     return as_usage_error(cfg.build_config, stage, ctx.obj["file"].get(stage, {}), flags)
 
 
-def data_options(command):
-    """Where the data comes from: the same flags for train and import."""
-    for option in reversed([
-        click.option("--model", help="A built-in (smallcnn, mixer), any torchvision "
-                     "classification model, timm:NAME, or package.module:factory for your "
-                     "own.  [default: resnet18]"),
-        click.option("--dataset", type=click.Choice(cfg.DATASET_NAMES),
-                     help="[default: digits, built in]"),
-        click.option("--data-dir", type=click.Path(file_okay=False),
-                     help="Where torchvision data sets or your image folder live.  "
-                          "[default: data]"),
-        click.option("--download/--no-download", default=None,
-                     help="Let torchvision fetch the data set where the network allows."),
-        click.option("--val-fraction", type=float, help="Share of the training split held out "
-                     "to choose with (best epoch, --auto, the recommendation).  [default: 0.1]"),
-        click.option("--image-size", type=int, help="Side of the square input in pixels.  "
-                     "[default: 32]"),
-        click.option("--in-channels", type=click.Choice(["1", "3"]), callback=_whole_number,
-                     help="Input channels of the model; grey images are widened to 3 if asked."),
-        click.option("--skip-bad-images", is_flag=True, default=None,
-                     help="Skip unreadable files in an image folder (counted) instead of "
-                          "stopping."),
-    ]):
-        command = option(command)
-    return command
+def stage_options(stage: str, *names: str):
+    """Decorator: an option for each of ``stage``'s config fields that pipeline/flags.py
+    describes (those named, or all of them), its type and shown default read from the
+    dataclass. Every option defaults to None, so that a --config file's value stands where
+    the flag is not given."""
+    from pipeline.flags import FLAGS
+
+    config_class = cfg.STAGE_CONFIGS[stage]
+    hints = typing.get_type_hints(config_class)
+    defaults = {field.name: field.default for field in dataclasses.fields(config_class)}
+
+    def decorate(command):
+        for name in reversed(names or tuple(FLAGS[stage])):
+            command = _option(name, FLAGS[stage][name], hints[name], defaults[name])(command)
+        return command
+
+    return decorate
+
+
+def _option(name: str, flag, hint, default):
+    dashed = "--" + name.replace("_", "-")
+    kind = _kind(hint)
+    shown = flag.default if flag.default is not None else _shown(default, dashed)
+    text = flag.help if flag.flag else f"{flag.help}  [default: {shown}]"
+    if kind is bool:
+        if flag.flag:
+            return click.option(dashed, is_flag=True, default=None, help=text)
+        return click.option(f"{dashed}/--{flag.off or 'no-' + dashed[2:]}", default=None,
+                            help=text)
+    kwargs = {"default": None, "metavar": flag.metavar, "help": text, "multiple": flag.multiple}
+    if flag.choices:
+        kwargs["type"] = click.Choice(flag.choices)
+    elif flag.path:
+        kwargs["type"] = click.Path(file_okay=flag.path == "file", dir_okay=flag.path == "dir")
+    elif kind in (int, float) and name not in DURATION_FIELDS:  # a duration may be "5m"
+        kwargs["type"] = kind
+    return click.option(dashed, **kwargs)
+
+
+def _kind(hint) -> type:
+    """The type a flag takes: the field's, less None; str where it is a union of others
+    (--lr: a number or auto) or a tuple (a comma list)."""
+    kinds = [kind for kind in typing.get_args(hint) if kind is not type(None)] or [hint]
+    kind = kinds[0] if len(kinds) == 1 else str
+    return str if typing.get_origin(kind) is tuple else kind
+
+
+def _shown(default, dashed: str) -> str:
+    if isinstance(default, bool):
+        return dashed[2:] if default else f"no-{dashed[2:]}"
+    if isinstance(default, tuple):
+        return ",".join(map(str, default)) or "none"
+    if isinstance(default, float):
+        return f"{default:g}"
+    return str(default)
 
 
 def with_group_values(ctx: click.Context, flags: dict, *keys: str) -> dict:
     """A stage's flags with the group's values it takes (seed, device, quiet), where the user
     gave them: a group default must not hide a --config file's [stage] value."""
     return flags | {key: ctx.obj[key] for key in keys if key in ctx.obj["given"]}
-
-
-def _whole_number(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    """A Choice of numbers as a number (Click 8.1's Choice holds strings)."""
-    return None if value is None else int(value)

@@ -337,3 +337,34 @@ def test_list_prints_what_each_registry_holds_and_touches_no_run(tmp_path):
     assert "smallcnn  (built-in: A three-conv net" in everything.stdout
     assert "resnet18  (torchvision)" in lines and "imagefolder" in everything.stdout
     assert not any(tmp_path.iterdir())  # no run made, no latest pointer
+
+
+# Config fields with no flag of their stage: the group's (--seed, --device, --quiet) and the
+# commands' arguments (predict's PATHS, export's OUT_DIR).
+NOT_FLAGS = {"seed", "device", "quiet", "paths", "out_dir"}
+
+
+def test_every_flag_is_a_field_and_shows_the_default_the_stage_runs_with():
+    """One source: each option comes from pipeline/flags.py and its config's dataclass. A
+    table entry names a real field; a default in words is given only where the dataclass's
+    is None (computed); the shown default is the dataclass's; every other field has a flag."""
+    import dataclasses
+
+    from pipeline import config as cfg
+    from pipeline.cli import cli
+    from pipeline.click_support import _shown
+    from pipeline.flags import FLAGS
+
+    for stage, table in FLAGS.items():
+        fields = {f.name: f.default for f in dataclasses.fields(cfg.STAGE_CONFIGS[stage])}
+        assert set(table) <= set(fields), stage
+        assert set(fields) - set(table) <= NOT_FLAGS, (stage, set(fields) - set(table))
+        options = {p.name: p for p in cli.commands[stage].params}
+        for name, flag in table.items():
+            default = fields[name]
+            assert flag.default is None or default in (None, ""), (stage, name)  # "": required
+            option = options[name]
+            assert option.default is None  # a --config file's value stands where not given
+            if flag.default is None and not flag.flag:  # the dataclass's, in its words
+                shown = _shown(default, "--" + name.replace("_", "-"))
+                assert option.help.endswith(f"[default: {shown}]"), (stage, name, option.help)
