@@ -75,9 +75,12 @@ def cli(ctx: click.Context, artifacts_dir, run_name, device, seed, config_file, 
 @click.pass_context
 def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Path,
               run_name: str | None, **_: object) -> None:
-    """Apply every stage to one run, in order (pipeline/chain.py); `list` has printed what it
-    lists and gives no stage."""
-    processors = [processor for processor in processors if processor is not None]
+    """Apply every stage to one run, in order (pipeline/chain.py); `list` works on no run."""
+    if any(stage == "list" for stage, _ in processors):
+        if len(processors) > 1:
+            raise click.UsageError("list works alone: give it no other stage")
+        processors[0][1]()
+        return
     chosen = ctx.obj["chosen"]
     chain.run_chain(processors, chosen.get("artifacts_dir", artifacts_dir),
                     chosen.get("run_name", run_name), device=ctx.obj["device"],
@@ -245,12 +248,11 @@ def export(ctx: click.Context, **flags) -> Processor:
 
 
 @cli.command("list", context_settings=CONTEXT)
-@click.argument("registry", required=False, type=click.Choice(catalog.REGISTRIES))
-def list_(registry: str | None) -> None:
+@click.argument("registries", nargs=-1, type=click.Choice(catalog.REGISTRIES))
+def list_(registries: tuple[str, ...]) -> Processor:
     """What can be named: models (--model), data sets (--dataset), variants (--methods,
-    --variant); all three by default. Works on no run."""
-    for line in catalog.listing(registry):
-        click.echo(line)
+    --variant); all three by default. Works on no run, and alone."""
+    return "list", lambda: [click.echo(line) for line in catalog.listing(*registries)]
 
 
 def _fail_stage_on_sigterm() -> None:

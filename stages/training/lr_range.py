@@ -110,6 +110,11 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> tuple[float,
     except NeverFell as exc:
         say(f"--lr auto: the first test chose no learning rate ({exc.detail}); trying again "
             f"over {LONG_STEPS} steps, each learning rate held longer ...", quiet=config.quiet)
+        if planned is not None and LONG_STEPS > 2 * planned:  # the second test would outrun it
+            lr = RULE_PER_256 * batch / 256
+            say(f"--lr auto: {lr:.3g}, by the linear-scaling rule: a second test takes "
+                f"{LONG_STEPS} steps, training {planned}", quiet=config.quiet)
+            return lr, LINEAR_SCALING
         try:
             curve = range_test(config, splits, precision, device, LONG_STEPS)
         except NeverFell as again:
@@ -139,6 +144,10 @@ def learnable_at_rule(config, splits, precision, device, never: NeverFell) -> tu
         f"linear-scaling rule's {lr:.3g} decide whether the data can be learned ...",
         quiet=config.quiet)
     before, after, guessing = validation_probe(config, splits, precision, device, lr)
+    if not all(map(math.isfinite, after)):
+        raise PipelineError(f"--lr auto: no range test could be read ({never.detail}), and "
+                            f"the linear-scaling rule's {lr:.3g} made the loss diverge; give a "
+                            "lower --lr yourself")
     gain = [g - a for g, a in zip(guessing, after)]
     mean = sum(gain) / len(gain)
     spread = math.sqrt(sum((x - mean) ** 2 for x in gain) / max(len(gain) - 1, 1))
@@ -174,7 +183,9 @@ def validation_probe(config, splits, precision, device, lr: float, steps: int = 
     probe = dataclasses.replace(config, lr=lr, time=None)
     parts = build_parts(probe, splits, precision, device)
     parts.scheduler = torch.optim.lr_scheduler.LambdaLR(parts.optimizer, lambda step: 1.0)
-    images = torch.utils.data.Subset(splits.val, range(min(len(splits.val), PROBE_IMAGES)))
+    # A seeded sample, not the first images: an image folder lists its classes in order.
+    order = torch.randperm(len(splits.val), generator=torch.Generator().manual_seed(config.seed))
+    images = torch.utils.data.Subset(splits.val, order[:PROBE_IMAGES].tolist())
     before, labels = _image_losses(parts.model, images, device)
     parts.trained.train()
     for step, (batch, targets) in zip(range(steps), _batches(parts)):

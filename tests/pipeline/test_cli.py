@@ -337,6 +337,9 @@ def test_list_prints_what_each_registry_holds_and_touches_no_run(tmp_path):
     assert "smallcnn  (built-in: A three-conv net" in everything.stdout
     assert "resnet18  (torchvision)" in lines and "imagefolder" in everything.stdout
     assert not any(tmp_path.iterdir())  # no run made, no latest pointer
+    chained = invoke("--artifacts-dir", str(tmp_path), "train", "list")
+    assert chained.exit_code == 2 and chained.stdout == ""
+    assert "list works alone" in chained.stderr and not any(tmp_path.iterdir())
 
 
 # Config fields with no flag of their stage: the group's (--seed, --device, --quiet) and the

@@ -80,15 +80,15 @@ def test_fp16_stops_after_too_many_skipped_steps_in_a_row(tmp_path, monkeypatch)
 
 
 @pytest.mark.slow
-def test_the_same_seed_twice_gives_the_same_weights_predictions_and_report(_cheap_template,
-                                                                           tmp_path):
-    """A second run made as the session's cheap run was (train, ort-static on seeded
-    calibration images, report) holds the same weights, the same int8 model to the byte, and
+def test_the_same_seed_twice_gives_the_same_weights_predictions_and_report(tmp_path):
+    """Two runs made alike, one after the other in this process (train, ort-static on seeded
+    calibration images, report), hold the same weights, the same int8 model to the byte, and
     the same report figures."""
     import json
 
-    runs = [_cheap_template, artifacts.create_run(tmp_path, "second")]
-    make_cheap_run(runs[1])
+    runs = [artifacts.create_run(tmp_path, name) for name in ("first", "second")]
+    for run in runs:
+        make_cheap_run(run)
     for variant in ("fp32", "amp"):
         a = loading.load_checkpoint(runs[0].verified_path(variant))["state_dict"]
         b = loading.load_checkpoint(runs[1].verified_path(variant))["state_dict"]
