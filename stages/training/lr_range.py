@@ -89,8 +89,9 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> tuple[float,
     """(the peak learning rate, how it was found): --lr as given, or found by a range test
     under the precision and batch size training will use, once per run (a resume reads both
     back from ``saved``, the recorded train config), or, where the test's steps are more than
-    twice training's (`planned_steps`), the linear-scaling rule. The curve is kept in the run
-    (train/lr-range.json) for the report."""
+    twice training's (`planned_steps`), the linear-scaling rule; where no test can be read,
+    the rule once the data is shown to be learnable (`learnable_at_rule`). The curve is kept
+    in the run (train/lr-range.json) for the report."""
     if config.lr != "auto":
         return config.lr, "--lr"
     if "resolved_lr" in saved:
@@ -108,13 +109,14 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> tuple[float,
     try:
         curve = range_test(config, splits, precision, device)
     except NeverFell as exc:
-        say(f"--lr auto: the first test chose no learning rate ({exc.detail}); trying again "
-            f"over {LONG_STEPS} steps, each learning rate held longer ...", quiet=config.quiet)
         if planned is not None and LONG_STEPS > 2 * planned:  # the second test would outrun it
             lr = RULE_PER_256 * batch / 256
-            say(f"--lr auto: {lr:.3g}, by the linear-scaling rule: a second test takes "
-                f"{LONG_STEPS} steps, training {planned}", quiet=config.quiet)
+            say(f"--lr auto: the first test chose no learning rate ({exc.detail}); {lr:.3g}, by "
+                f"the linear-scaling rule: a second test takes {LONG_STEPS} steps, training "
+                f"{planned}", quiet=config.quiet)
             return lr, LINEAR_SCALING
+        say(f"--lr auto: the first test chose no learning rate ({exc.detail}); trying again "
+            f"over {LONG_STEPS} steps, each learning rate held longer ...", quiet=config.quiet)
         try:
             curve = range_test(config, splits, precision, device, LONG_STEPS)
         except NeverFell as again:

@@ -361,6 +361,28 @@ def test_a_range_test_whose_loss_never_fell_runs_once_more_held_longer(tmp_path,
     assert not (flat.root / "train" / "lr-range.json").exists()
 
 
+def test_a_second_range_test_longer_than_the_training_gives_way_to_the_rule(tmp_path,
+                                                                           monkeypatch):
+    """100 planned steps: the first test (150) runs, the second (450) would take more than
+    twice the training, so the rule stands where the first could not be read."""
+    from stages.training import lr_range
+
+    tried = []
+
+    def unreadable(config, splits, precision, device, steps=lr_range.MAX_STEPS):
+        tried.append(steps)
+        raise lr_range.NeverFell([1e-3, 1.0], "the smoothed loss went from 2.3 to 2.25")
+
+    monkeypatch.setattr(lr_range, "range_test", unreadable)
+    config = TrainConfig(**TINY_TRAIN | {"lr": "auto", "epochs": 5})
+    digits = _splits(1293)  # 20 steps an epoch at batch 64
+    assert lr_range.planned_steps(config, digits, FP32) == 100
+    run = artifacts.create_run(tmp_path, "short")
+    assert lr_range.peak_lr(config, digits, FP32, None, run, {}) == (
+        pytest.approx(0.025), lr_range.LINEAR_SCALING)
+    assert tried == [lr_range.MAX_STEPS]
+
+
 def test_with_no_range_test_readable_a_learner_trains_and_shuffled_labels_are_refused(
         tmp_path, monkeypatch):
     """The probe at the linear-scaling rule, on real digits: smallcnn beats guessing the
