@@ -14,8 +14,8 @@ CEILING_PER_256 per 256 images a step.
 A network that learns slowly from chance (efficientnet_b0 on notMNIST, its classifier at
 PyTorch's default scale) may not move its loss in MAX_STEPS steps of one each per learning rate:
 where the loss never fell, the test runs once more over LONG_STEPS, each learning rate held
-three times as long. Where that one cannot be read either (mobilenet_v2 on colour photos: 2.33
-to 2.26 in 450 steps, where a fixed 0.02 trained it to 39% in 6 epochs), the peak is Goyal et
+three times as long. Where that one cannot be read either (mobilenet_v2 on photos10: 2.33 to
+2.31 in 150 steps, 2.32 to 2.23 in 450; docs/measurements.md), the peak is Goyal et
 al.'s linear-scaling rule, once PROBE_STEPS steps at it have brought the validation loss below
 that of guessing the classes' shares, beyond noise: a network that can learn does, and labels
 that do not belong to the images (shuffled) cannot, which is refused as such.
@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 
 from stages.data.loaders import make_loader
 from stages.run.errors import PipelineError
@@ -151,12 +152,11 @@ def learnable_at_rule(config, splits, precision, device, never: NeverFell) -> tu
                             f"the linear-scaling rule's {lr:.3g} made the loss diverge; give a "
                             "lower --lr yourself")
     gain = [g - a for g, a in zip(guessing, after)]
-    mean = sum(gain) / len(gain)
-    spread = math.sqrt(sum((x - mean) ** 2 for x in gain) / max(len(gain) - 1, 1))
-    learned = mean > NOISE_SE * spread / math.sqrt(len(gain))
-    losses = (f"the validation loss went from {_mean(before):.4f} to {_mean(after):.4f} over "
-              f"{len(gain)} images, where guessing the classes' shares scores "
-              f"{_mean(guessing):.4f}")
+    spread = statistics.stdev(gain) if len(gain) > 1 else 0.0
+    learned = statistics.fmean(gain) > NOISE_SE * spread / math.sqrt(len(gain))
+    losses = (f"the validation loss went from {statistics.fmean(before):.4f} to "
+              f"{statistics.fmean(after):.4f} over {len(gain)} images, where guessing the "
+              f"classes' shares scores {statistics.fmean(guessing):.4f}")
     learned, losses = distributed.broadcast((learned, losses))
     if not learned:
         raise NothingLearned(
@@ -168,10 +168,6 @@ def learnable_at_rule(config, splits, precision, device, never: NeverFell) -> tu
     return lr, (f"linear-scaling rule (0.1 per 256 images a step; the range tests' loss fell "
                 f"too little to read ({never.detail}), and {PROBE_STEPS} steps at it learned: "
                 f"{losses})")
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
 
 
 def validation_probe(config, splits, precision, device, lr: float, steps: int = PROBE_STEPS
