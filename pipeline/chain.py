@@ -122,17 +122,37 @@ def _run_stage(run, stage: str, process: Callable, writes: bool) -> float:
         process(run)
     except BaseException as exc:
         if writes:
-            with _status_write():
-                try:
-                    run.mark_stage(stage, "failed", f"{type(exc).__name__}: {exc}"[:500])
-                except Exception:  # the disk may be what failed; the original error matters more
-                    pass
+            _mark_failed(run, stage, exc)
         raise
     seconds = time.perf_counter() - started
     if writes:
         with _status_write():
             run.mark_stage(stage, "complete", seconds=round(seconds, 1))
     return seconds
+
+
+def _mark_failed(run, stage: str, exc: BaseException) -> None:
+    """Write the stage's failure even where a signal cuts the first try short: torchrun's
+    SIGTERM, arriving with the error that made this rank fail, runs its handler (SystemExit)
+    at the first Python call after the error, which can be before _status_write holds signals
+    back; that handler leaves SIGTERM's default behind, so the second try is not cut short.
+    The signal's exception is raised once the failure is on disk (a kill keeps its exit code),
+    as is one held back during the write (delivered when _status_write ends)."""
+    interrupted, written = None, False
+    for _ in range(2):
+        try:
+            with _status_write():
+                run.mark_stage(stage, "failed", f"{type(exc).__name__}: {exc}"[:500])
+                written = True
+            break
+        except Exception:  # the disk may be what failed; the original error matters more
+            break
+        except BaseException as signalled:  # before the write began, or held back until after
+            interrupted = signalled
+            if written:
+                break
+    if interrupted is not None:
+        raise interrupted
 
 
 def _status_write():

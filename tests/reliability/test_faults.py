@@ -18,7 +18,7 @@ from pipeline import cli as cli_module
 from pipeline.cli import cli
 from pipeline.config import TrainConfig
 from stages import train
-from stages.run import artifacts, files, loading
+from stages.run import artifacts, files, loading, signals
 from stages.run.errors import PipelineError
 from stages.training import failures
 from stages.training.loop import Position
@@ -372,6 +372,36 @@ def test_a_sigterm_while_the_failure_is_written_waits_for_it(tmp_path, monkeypat
         signal.signal(signal.SIGTERM, pytest_handler)
     assert result.exit_code == 128 + signal.SIGTERM
     stage = artifacts.open_run(tmp_path, "held").manifest()["stages"]["train"]
+    assert stage["status"] == "failed"
+    assert stage["error"] == "RuntimeError: training broke"
+
+
+def test_a_sigterm_just_after_the_error_still_leaves_the_stage_failed(tmp_path, monkeypatch):
+    """The CI case the test above did not catch: torchrun's SIGTERM lands with the error that
+    made the rank fail, and its handler raises before the failure write holds signals back."""
+    def broken_training(*args, **kwargs):
+        raise RuntimeError("training broke")
+
+    real_deferred = signals.deferred
+    signalled = []
+
+    def deferred(*numbers):
+        if isinstance(sys.exc_info()[1], RuntimeError) and not signalled:  # the failure write
+            signalled.append(True)
+            signal.raise_signal(signal.SIGTERM)  # its handler raises SystemExit here
+        return real_deferred(*numbers)
+
+    monkeypatch.setattr(train, "run", broken_training)
+    monkeypatch.setattr(signals, "deferred", deferred)
+    pytest_handler = signal.getsignal(signal.SIGTERM)
+    cli_module._fail_stage_on_sigterm()
+    try:
+        result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "--run", "early",
+                                          *TINY_CLI])
+    finally:
+        signal.signal(signal.SIGTERM, pytest_handler)
+    assert result.exit_code == 128 + signal.SIGTERM
+    stage = artifacts.open_run(tmp_path, "early").manifest()["stages"]["train"]
     assert stage["status"] == "failed"
     assert stage["error"] == "RuntimeError: training broke"
 
