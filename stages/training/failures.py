@@ -35,9 +35,14 @@ def is_worker_failure(exc: BaseException, data_iterator=None) -> bool:
     if isinstance(exc, (ConnectionError, EOFError)):
         workers = getattr(data_iterator, "_workers", None) or []
         deadline = time.monotonic() + 1.0  # a killed worker's pipe closes before it is reaped
-        for worker in workers:
-            if hasattr(worker, "join"):
-                worker.join(timeout=max(0.0, deadline - time.monotonic()))
+        try:
+            for worker in workers:
+                if hasattr(worker, "join"):
+                    worker.join(timeout=max(0.0, deadline - time.monotonic()))
+        except RuntimeError as reaped:  # the death's SIGCHLD, raised by torch's handler (in CI)
+            if is_worker_failure(reaped):
+                return True
+            raise
         return any(not worker.is_alive() for worker in workers)
     return isinstance(exc, RuntimeError) and any(
         marker in str(exc) for marker in ("DataLoader worker", "DataLoader timed out"))

@@ -178,6 +178,16 @@ def test_a_worker_death_seen_twice_is_still_one_clear_error(tmp_path, monkeypatc
     with pytest.raises(ValueError, match="not the loader's"):  # other errors pass untouched
         with failures.worker_failures("amp", 2, Position(step_in_epoch=3), tmp_path, loader):
             raise ValueError("not the loader's")
+    # The death's SIGCHLD can also arrive while the dying worker is waited for (a CI run).
+    def join_interrupted(timeout):
+        raise RuntimeError("DataLoader worker (pid 22297) is killed by signal: Killed. ")
+
+    dying = SimpleNamespace(_shutdown_workers=lambda: None,
+                            _workers=[SimpleNamespace(join=join_interrupted,
+                                                      is_alive=lambda: True)])
+    with pytest.raises(PipelineError, match=r"^amp: a DataLoader worker died or hung"):
+        with failures.worker_failures("amp", 2, Position(step_in_epoch=3), tmp_path, dying):
+            raise ConnectionResetError(104, "Connection reset by peer")
     # A broken connection where every worker is alive, or with no workers at all, is the
     # dataset's own (a network read), not a worker's death.
     alive = SimpleNamespace(_shutdown_workers=lambda: None,
