@@ -72,7 +72,7 @@ def label(options: dict) -> str:
             parts.append(f"{value}-bit weights")
         elif key == "float_depthwise" and value:
             parts.append("depthwise in float")
-    return " ".join(parts)
+    return " ".join(parts) or "default"  # a variant made one way only (bf16 serving)
 
 
 # Candidates are timed at the report's default large batch, in a short interleaved session that

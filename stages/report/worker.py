@@ -14,7 +14,8 @@ measured on a Xeon with AMX:
 
 Timing in a child, rather than training in one, keeps one place for both; its cost is the
 child's start and the compiles that quantize's process had already made (each compiled
-variant is compiled again here).
+variant is compiled again here, though the C++ library quantize built for it comes from
+Inductor's disk cache: stages/runtimes/inductor.py).
 
 On a CPU with AMX a second child times the int8 and bf16 variants that run oneDNN (PyTorch's
 compiled ones, OpenVINO's) at the verdict's batch size with oneDNN capped below AMX: at 32x32

@@ -30,7 +30,34 @@ COMPILED_BATCH = 32  # compiled models predict in batches of this size: one grap
 # (docs/measurements.md), for about 3 s more per compile. Its
 # kernel calls and Inductor's own kernels reach torch.profiler only with kernel profiling on
 # (a record per call; the timings above were taken with it on).
-COMPILE_OPTIONS = {"cpp_wrapper": True, "cpp.enable_kernel_profile": True}
+# Size asserts are off because their messages name Python objects by address (see
+# _stable_wrapper_source).
+COMPILE_OPTIONS = {"cpp_wrapper": True, "cpp.enable_kernel_profile": True,
+                   "size_asserts": False}
+
+
+def _stable_wrapper_source() -> None:
+    """Make the C++ wrapper's source the same in every process, so that the library compiled
+    from it is found in Inductor's on-disk cache instead of built again: g++ took 7 of the 10 s
+    torch-static's compile took in the report's child on the default run (2.7 s with the cache;
+    Inductor's FX graph cache skips frozen graphs whose weights oneDNN packed). Torch writes
+    each constant's memory address into a comment at the source's top (torch 2.14's
+    CppWrapperCpu.write_constant), so that different constants get different files; the
+    library does not hold them (the generated Python module passes them in on every call, and
+    is loaded afresh with its own), so the address is left out."""
+    try:
+        from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+    except ImportError:  # another torch: it compiles as before, only without the cache
+        return
+    written = getattr(CppWrapperCpu, "write_constant", None)
+    if written is None or getattr(written, "without_address", False):
+        return
+
+    def write_constant(self, name, hashed):
+        written(self, name, hashed.rsplit(" ", 1)[0])
+
+    write_constant.without_address = True
+    CppWrapperCpu.write_constant = write_constant
 
 
 def compile_module(module):
@@ -42,6 +69,7 @@ def compile_module(module):
     import torch._inductor.config as inductor_config
 
     inductor_config.freezing = True
+    _stable_wrapper_source()
     # Inductor's own int8 lowering copies a tensor the way it tells others not to.
     warnings.filterwarnings("ignore", message="To copy construct from a tensor",
                             category=UserWarning, module=r"torch\._inductor")
@@ -51,7 +79,8 @@ def compile_module(module):
 # Compiled models kept for the life of the process, keyed by the sha256 of the file they came
 # from, what was compiled and the thread count Inductor generated their kernels for: in a
 # chain, quantize has already compiled what report then loads, and each compile takes 3 to 15 s
-# on the 2-core development machine (Inductor's graph cache skips graphs with frozen weights).
+# on the 2-core development machine (Inductor's FX graph cache skips graphs with frozen
+# weights; only the C++ library is found on disk).
 _COMPILED: dict[tuple[str, str, int], object] = {}
 
 

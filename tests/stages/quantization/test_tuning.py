@@ -183,6 +183,7 @@ def test_labels_name_every_choice_a_configuration_makes():
     assert tuning.label({"preset": "PERFORMANCE"}) == "performance preset"
     assert tuning.label({"per_channel": True, "weight_bits": 7}) == "per-channel 7-bit weights"
     assert tuning.label({"per_channel": False, "weight_bits": 8}) == "per-tensor"
+    assert tuning.label({}) == "default"  # not an empty name before ": accuracy change"
     assert tuning.label({"per_channel": True, "weight_bits": 8, "float_depthwise": True}) == (
         "per-channel depthwise in float")
     assert tuning.label({"per_channel": True, "float_depthwise": False}) == "per-channel"
