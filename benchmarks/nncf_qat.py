@@ -42,6 +42,15 @@ from stages.training.loop import CosineSchedule, decay_groups
 COMPARED = ("openvino-qat", "openvino-int8", "openvino-fp32")
 
 
+class _Wrapped(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, images):
+        return self.inner(images)
+
+
 def nncf_fine_tuned(run, splits, epochs: int, lr: float, batch_size: int):
     """The run's float model quantized by nncf.quantize (300 training images) and fine-tuned;
     the epoch best on the validation half qat chooses on, as an OpenVINO model."""
@@ -50,6 +59,10 @@ def nncf_fine_tuned(run, splits, epochs: int, lr: float, batch_size: int):
     torch.manual_seed(0)
     model = load_float_module(run, float_source(run)).eval()
     switch_off_stochastic_depth(model)
+    if isinstance(model, torch.nn.Sequential):
+        # NNCF adds its hooks to the model as a child module, which a Sequential would call
+        # as a layer (smallcnn: "Module [HookStorage] is missing the required forward").
+        model = _Wrapped(model)
     with contextlib.redirect_stdout(io.StringIO()):  # NNCF's progress bars
         model = nncf.quantize(model, nncf.Dataset(calibration_batches(splits, 300, 64, 0)))
     choosing = torch.utils.data.Subset(splits.val, validation_halves(len(splits.val))[0])

@@ -49,8 +49,8 @@ def main() -> None:
         copy = Path(scratch) / "runs" / original.name
         shutil.copytree(original.root, copy, ignore=shutil.ignore_patterns("report"))
         run = open_run(Path(scratch), original.name)
-        config = ReportConfig(batch_sizes=(1, 32), rounds=args.rounds, repeats=args.repeats,
-                              threads=args.threads, quiet=True)
+        config = ReportConfig(batch_sizes=(1, 32), rounds=args.rounds, max_rounds=args.rounds,
+                              repeats=args.repeats, threads=args.threads, quiet=True)
         result = report.run(config, run)
     env = result["environment"]
     print(f"run {original.name}: {env['cpu']['model']}, {result['config']['threads']} threads, "

@@ -1,7 +1,7 @@
 """The benchmark scripts that are cheap on a tiny model run here, so that one that no longer
-runs fails CI (train_speed.py once passed --lr's "auto" to SGD, and nothing noticed). The
-others (runtimes, isolation: 20-30 s each on a tiny run; deploy_size, families, nncf_qat and
-equalization.sh: a whole chain each; gpu_checks: a GPU) are not yet run here."""
+runs fails CI (train_speed.py once passed --lr's "auto" to SGD, and nothing noticed). Not yet
+run here: deploy_size, families and equalization.sh (a whole chain each) and gpu_checks (a
+GPU)."""
 import subprocess
 import sys
 from pathlib import Path
@@ -28,3 +28,22 @@ def test_the_cheap_benchmarks_run_on_a_tiny_model(cheap_run):
     out = _script("benchmarks/predict_speed.py", "--artifacts-dir",
                   str(cheap_run.artifacts_dir), "--run", cheap_run.name, "--images", "64")
     assert "predict reaches" in out
+
+
+@pytest.mark.slow
+def test_the_timing_benchmarks_run_on_a_tiny_run(cheap_run):
+    where = ["--artifacts-dir", str(cheap_run.artifacts_dir), "--run", cheap_run.name]
+    out = _script("benchmarks/runtimes.py", *where, "--rounds", "5", "--repeats", "4")
+    assert "| ort-static |" in out and "recommended: " in out
+    out = _script("benchmarks/isolation.py", *where, "--processes", "1")
+    assert "| ort-static |" in out and "largest difference between the report" in out
+
+
+@pytest.mark.slow
+def test_nncf_qat_benchmark_runs_on_a_tiny_qat_run(tiny_qat_run, tmp_path):
+    from tests.conftest import _copy
+
+    run = _copy(tiny_qat_run["run"], tmp_path / "artifacts")
+    out = _script("benchmarks/nncf_qat.py", "--artifacts-dir", str(run.artifacts_dir), "--run",
+                  run.name, "--epochs", "1", "--rounds", "3")
+    assert "| `nncf-qat` |" in out and "nncf-qat: p50" in out
