@@ -21,16 +21,30 @@ def deferred(*numbers: int):
         return
     arrived: list[int] = []
     previous = {}
-    for number in numbers:
-        handler = signal.getsignal(number)
-        if handler is None:  # installed outside Python: cannot be put back, so left alone
-            continue
-        previous[number] = handler
-        signal.signal(number, lambda signum, frame: arrived.append(signum))
-    try:
+    try:  # a signal's handler raising mid-swap still has every swapped one put back
+        for number in numbers:
+            handler = signal.getsignal(number)
+            if handler is None:  # installed outside Python: cannot be put back, so left alone
+                continue
+            previous[number] = handler
+            signal.signal(number, lambda signum, frame: arrived.append(signum))
         yield
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
-        for number in dict.fromkeys(arrived):
+        _deliver(arrived)
+
+
+def _deliver(arrived: list[int]) -> None:
+    """Each held signal once, those that end the process last, so that a handler raising (the
+    DataLoader's SIGCHLD check) does not swallow a SIGTERM held beside it; the last exception
+    raised is raised."""
+    stopping = (signal.SIGINT, signal.SIGTERM)
+    raised = None
+    for number in sorted(dict.fromkeys(arrived), key=lambda number: number in stopping):
+        try:
             signal.raise_signal(number)
+        except BaseException as error:  # noqa: BLE001 - raised again below, after the rest
+            raised = error
+    if raised is not None:
+        raise raised
