@@ -125,6 +125,23 @@ def test_training_memory_is_measured_alike_whichever_model_comes_first():
     assert first > 1e6 and abs(first - again) <= 0.25 * max(first, again), (first, again)
 
 
+@pytest.mark.parametrize("outcome", ["timeout", "not json", "no output"])
+def test_a_memory_probe_that_hangs_or_talks_nonsense_costs_the_figure_not_the_training(
+        monkeypatch, outcome):
+    import subprocess
+
+    def run(command, **kwargs):
+        if outcome == "timeout":
+            raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+        return subprocess.CompletedProcess(command, 0, "" if outcome == "no output" else "{",
+                                           "")
+
+    monkeypatch.setattr(memory.subprocess, "run", run)
+    config = TrainConfig(**TINY_TRAIN | {"image_size": 32})
+    assert memory.peak_memory_in_fresh_process(config, Precision("fp32")) == (
+        0, "not measured (the probe failed)")
+
+
 def test_validation_at_chance_while_training_learns_is_flagged():
     # The digits' validation split: 144 images, the largest class 10.4% of them.
     assert failures.at_chance(train_accuracy=0.994, val_accuracy=0.0972, chance=0.104,
@@ -279,7 +296,7 @@ def test_lr_auto_finds_a_learning_rate_by_a_range_test_and_keeps_its_curve(tmp_p
     from stages.training import lr_range
 
     run = artifacts.create_run(tmp_path, "auto")
-    # 4 epochs of 20 steps: a training at least half as long as the test (shorter ones take
+    # 4 epochs of 21 steps: a training at least half as long as the test (shorter ones take
     # the linear-scaling rule instead).
     (result,) = train.run(TrainConfig(**TINY_TRAIN | {"lr": "auto", "epochs": 4,
                                                        "baseline": False}), run)
@@ -375,8 +392,8 @@ def test_a_second_range_test_longer_than_the_training_gives_way_to_the_rule(tmp_
 
     monkeypatch.setattr(lr_range, "range_test", unreadable)
     config = TrainConfig(**TINY_TRAIN | {"lr": "auto", "epochs": 5})
-    digits = _splits(1293)  # 20 steps an epoch at batch 64
-    assert lr_range.planned_steps(config, digits, FP32) == 100
+    digits = _splits(1293)  # 21 steps an epoch at batch 64, the last one short
+    assert lr_range.planned_steps(config, digits, FP32) == 105
     run = artifacts.create_run(tmp_path, "short")
     assert lr_range.peak_lr(config, digits, FP32, None, run, {}) == (
         pytest.approx(0.025), lr_range.LINEAR_SCALING)
@@ -432,7 +449,7 @@ def test_with_no_range_test_readable_a_learner_trains_and_shuffled_labels_are_re
 
 def test_a_range_test_longer_than_the_training_gives_way_to_the_linear_scaling_rule(
         tmp_path, monkeypatch):
-    """One epoch at 224x224 is 20 steps a model on the digits, where the range test takes up to
+    """One epoch at 224x224 is 21 steps a model on the digits, where the range test takes up to
     150 (11 minutes for resnet18 on the Xeon here): the peak is then 0.1 per 256 images a
     step, recorded as such; a training at least half as long as the test, or one planned by
     --time (which pays for the test), still runs it."""
@@ -445,9 +462,9 @@ def test_a_range_test_longer_than_the_training_gives_way_to_the_linear_scaling_r
         "steepest": 0.02})
     config = TrainConfig(**TINY_TRAIN | {"lr": "auto", "epochs": 1})
     run = artifacts.create_run(tmp_path, "short")
-    digits = _splits(1293)  # the digits' training split: 20 steps an epoch at batch 64
-    assert lr_range.planned_steps(config, digits, BF16) == 2 * 20  # amp and the fp32 baseline
-    assert lr_range.planned_steps(config, digits, FP32) == 20  # one run serves both
+    digits = _splits(1293)  # the digits' training split: 21 steps an epoch at batch 64
+    assert lr_range.planned_steps(config, digits, BF16) == 2 * 21  # amp and the fp32 baseline
+    assert lr_range.planned_steps(config, digits, FP32) == 21  # one run serves both
     assert lr_range.peak_lr(config, digits, BF16, None, run, {}) == (
         pytest.approx(0.025), lr_range.LINEAR_SCALING)
     assert not tested and "lr-range" not in run.artifacts()
