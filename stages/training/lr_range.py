@@ -215,7 +215,7 @@ def planned_steps(config, splits, precision) -> int | None:
         return None
     batch = config.batch_size * distributed.current().world_size
     models = 2 if config.baseline and precision.name != "fp32" else 1
-    return models * config.epochs * max(1, len(splits.train) // batch)
+    return models * config.epochs * math.ceil(len(splits.train) / batch)  # the last batch too
 
 
 def range_test(config, splits, precision, device, steps: int = MAX_STEPS) -> dict:
