@@ -231,7 +231,7 @@ def _available_memory(device) -> int | None:
 
 
 # Sizes at which a model trains but a runtime of the chain cannot take it (each found by
-# running the chain; tests/stages/test_families.py keeps them true).
+# running the chain; tests/stages/models/test_families.py keeps them true).
 CHAIN_MIN_SIZE = {"googlenet": (32, "OpenVINO cannot convert the ceil-mode 3x3 max-pool that "
                                     "meets a 2x2 map at smaller sizes")}
 

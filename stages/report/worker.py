@@ -9,7 +9,7 @@ measured on a Xeon with AMX:
 - Every variant is timed with the instruction set its deployment gets. bf16 training on an
   AMX CPU caps oneDNN for the process that trained, and the cap reached OpenVINO and every
   int8 kernel, so a chained report and one run alone timed different kernels (openvino-int8
-  2.18 against 2.92 ms at batch 32 on the default run). The child starts without training's
+  2.28 against 2.88 ms at batch 32 on the default run). The child starts without training's
   cap.
 
 Timing in a child, rather than training in one, keeps one place for both; its cost is the

@@ -371,3 +371,10 @@ def test_every_flag_is_a_field_and_shows_the_default_the_stage_runs_with():
             if flag.default is None and not flag.flag:  # the dataclass's, in its words
                 shown = _shown(default, "--" + name.replace("_", "-"))
                 assert option.help.endswith(f"[default: {shown}]"), (stage, name, option.help)
+    # A few as a user reads them, written out here rather than through _shown:
+    helps = {(stage, p.name): p.help for stage in FLAGS for p in cli.commands[stage].params}
+    for (stage, name), shown in {("train", "batch_size"): "64", ("train", "lr"): "auto",
+                                 ("train", "baseline"): "baseline",
+                                 ("quantize", "max_accuracy_drop"): "1",
+                                 ("report", "batch_sizes"): "1,32"}.items():
+        assert helps[stage, name].endswith(f"[default: {shown}]"), (stage, name)

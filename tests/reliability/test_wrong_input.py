@@ -131,10 +131,10 @@ def _digit(path: Path, fmt: str | None = None) -> Path:
     return path
 
 
-def test_a_fifo_is_skipped_unopened_and_sigterm_still_works(tiny_run, tmp_path):
-    """A FIFO named as a path once hung predict (opened, it waits for a writer) and, after the
-    first SIGTERM, the process ignored SIGTERM. Now it is named and skipped, and the image
-    beside it predicted."""
+def test_a_fifo_is_skipped_unopened(tiny_run, tmp_path):
+    """A FIFO named as a path once hung predict (opened, it waits for a writer; and after the
+    first SIGTERM the process ignored SIGTERM, which the next test holds). Now it is named and
+    skipped, and the image beside it predicted."""
     run = tiny_run["run"]
     os.mkfifo(tmp_path / "f.png")
     ok = _digit(tmp_path / "ok.png")
@@ -312,17 +312,26 @@ def test_a_rerun_that_succeeds_drops_the_old_error(cheap_run):
     assert cheap_run.manifest()["stages"]["quantize"]["status"] == "complete"
 
 
-def test_report_checks_every_variants_file_before_it_loads_any(cheap_run, monkeypatch):
+def test_report_checks_every_variants_file_before_it_loads_any(cheap_run, monkeypatch, tmp_path):
+    """In this process (the report measures in a child a patch cannot reach): a changed file
+    of the last variant served stops the measuring before any variant is loaded."""
     from pipeline.config import ReportConfig
-    from stages import report
     from stages.report import measuring
 
     loaded = []
-    monkeypatch.setattr(measuring, "predict_dataset",
-                        lambda *args: loaded.append(args) or pytest.fail("a variant was scored"))
+    real_servings = measuring.servings
+
+    def recording_servings(*args):
+        def recorded(name, load):
+            return lambda: loaded.append(name) or load()
+        return [(name, variant, recorded(name, load))
+                for name, variant, load in real_servings(*args)]
+
+    monkeypatch.setattr(measuring, "servings", recording_servings)
     path = cheap_run.root / cheap_run.entry("ort-static")["path"]
     path.write_bytes(path.read_bytes() + b"\0")  # the last variant the report would load
     with pytest.raises(PipelineError, match="ort-static: .* does not match its sha256"):
-        report.run(ReportConfig(batch_sizes=(1,), quiet=True), cheap_run)
+        measuring.measure_variants(cheap_run, ReportConfig(batch_sizes=(1,), quiet=True), 1,
+                                   tmp_path)
     assert loaded == []
 

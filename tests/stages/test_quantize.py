@@ -329,7 +329,7 @@ def test_dynamic_int8_is_held_to_the_budget_like_the_searched_variants(
 
     for name in ("torch-dynamic", "ort-dynamic"):
         record = tiny_run["run"].entry(name)["quantization"]["tuning"]
-        assert record["images"] > 0 and record["chosen"]["drop_points"] <= 1.0, name
+        assert record["images"] > 0 and record["chosen"]["worst_drop_points"] <= 1.0, name
         assert record["why"] == "the one configuration asked for is within the budget"
     monkeypatch.setattr(tuning, "_within", lambda trial, budget: False)
     quantize.run(QuantizeConfig(methods="torch-dynamic,ort-dynamic", calibration_samples=64),
