@@ -205,3 +205,24 @@ def test_inductors_compiled_graph_is_named_in_words_and_counted_as_its_own_code(
     assert profile.kind_of(name) == "quantize/dequantize"
     assert profile.kind_of(profilers.torch_operator_name(
         "aoti_torch_cpu__qlinear_pointwise_tensor")) == "matrix product"
+
+
+def test_variants_not_profiled_are_let_go_before_the_profiler_runs(tiny_run, monkeypatch):
+    """At 224x224 every timed session's memory together, and the profiler's one more, took a
+    report past the machine's memory: only the variants of the chosen pairs stay loaded."""
+    from pipeline.config import ReportConfig
+    from stages.data.datasets import splits_of_run
+    from stages.report import measuring
+    from tests.conftest import TINY_REPORT
+
+    report = tiny_run["report"]
+    rows = [row for row in report["models"] if row["device"] == "cpu"]
+    loaded = {row["name"]: object() for row in rows}
+    held = []
+    monkeypatch.setattr(profile, "measure", lambda *args, **kwargs: held.append(set(loaded)))
+    measuring.profiled(loaded, rows, report["verdict"]["reference"],
+                       ReportConfig(**TINY_REPORT), splits_of_run(tiny_run["run"]))
+    pairs = profile.chosen_pairs(rows, measuring.verdict(rows, report["verdict"]["reference"],
+                                                         ReportConfig().max_accuracy_drop))
+    kept = {name for pair in pairs for name in pair if name}
+    assert held == [kept] and kept < {row["name"] for row in rows}
