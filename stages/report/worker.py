@@ -19,7 +19,7 @@ Inductor's disk cache: stages/runtimes/inductor.py).
 
 On a CPU with AMX a second child times the int8 and bf16 variants that run oneDNN (PyTorch's
 compiled ones, OpenVINO's) at the verdict's batch size with oneDNN capped below AMX: at 32x32
-the default run's openvino-int8 ran 1.32x faster that way (2.09 against 2.75 ms at batch 32).
+the default run's openvino-int8 ran 1.38x faster that way (2.14 against 2.96 ms at batch 32).
 Each such row gets `below_amx`, and a variant faster there beyond noise a warning;
 `pipeline export` writes the cap into that variant's folder (stages/export).
 """
