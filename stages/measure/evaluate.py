@@ -10,8 +10,20 @@ from stages.data.loaders import batches
 # report's parity table) and ort-qat is not kept.
 PARITY_MIN_AGREEMENT = 0.98
 
+# ONNX Runtime's arena and an OpenVINO request keep the memory of the largest batch they ran
+# for the life of the session: scored 256 images at a time at 224x224, efficientnet_b0's
+# ONNX Runtime sessions held some 5 GB each, and the report's measuring child, which keeps
+# every variant loaded, reached 24 of 25 GB. A scoring batch holds at most the pixels of 32
+# images of 224x224 (256 images at 32x32 and below, as before).
+SCORING_PIXELS = 32 * 224 * 224
 
-def predict(model, images, batch_size: int = 256, device=None, autocast=None):
+
+def scoring_batch_size(shape) -> int:
+    """Images a scoring batch holds, for images of ``shape`` (..., height, width)."""
+    return max(1, min(256, SCORING_PIXELS // (int(shape[-2]) * int(shape[-1]))))
+
+
+def predict(model, images, batch_size: int | None = None, device=None, autocast=None):
     """Logits of ``model`` for a tensor of images, in eval mode, as fp32 on the CPU.
     ``autocast`` is a context factory for a model served in reduced precision."""
     import contextlib
@@ -19,6 +31,7 @@ def predict(model, images, batch_size: int = 256, device=None, autocast=None):
     import torch
 
     device = device or torch.device("cpu")
+    batch_size = batch_size or scoring_batch_size(images.shape)
     model.eval()
     outputs = []
     with torch.inference_mode(), (autocast or contextlib.nullcontext)():
@@ -35,10 +48,12 @@ def top_k_hits(logits, labels, k: int):
     return order.eq(labels[:, None]).any(dim=1)
 
 
-def predict_dataset(predict_batch: Callable, dataset, batch_size: int = 256):
+def predict_dataset(predict_batch: Callable, dataset, batch_size: int | None = None):
     """(logits, labels) of a whole data set through ``predict_batch``."""
     import torch
 
+    if batch_size is None:
+        batch_size = scoring_batch_size(dataset[0][0].shape) if len(dataset) else 1
     logits, labels = [], []
     for images, targets in batches(dataset, batch_size):
         logits.append(predict_batch(images))

@@ -15,7 +15,7 @@ import shutil
 from collections import defaultdict
 from pathlib import Path
 
-from stages.measure.evaluate import compare_logits, predict
+from stages.measure.evaluate import compare_logits, predict, scoring_batch_size
 from stages.measure.machine import cpu_has_vnni
 from stages.quantization import sensitivity, tuning
 from stages.quantization.sensitivity import Scheme
@@ -66,11 +66,13 @@ def ort_session(path: Path, threads: int, disabled_optimizers: tuple[str, ...] =
                             f"{str(exc).strip().splitlines()[0][:300]}") from exc
 
 
-def ort_predict(session, images, batch_size: int = 256):
-    """Logits from an ORT session for a float tensor of images, as a torch tensor."""
+def ort_predict(session, images, batch_size: int | None = None):
+    """Logits from an ORT session for a float tensor of images, as a torch tensor, in batches
+    of at most scoring_batch_size images."""
     import numpy as np
     import torch
 
+    batch_size = batch_size or scoring_batch_size(images.shape)
     outputs = []
     for start in range(0, len(images), batch_size):
         batch = images[start:start + batch_size].numpy().astype(np.float32, copy=False)

@@ -17,7 +17,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from stages.measure.evaluate import compare_logits
+from stages.measure.evaluate import compare_logits, scoring_batch_size
 from stages.quantization import sensitivity, tuning
 from stages.quantization.sensitivity import Scheme
 from stages.run.errors import PipelineError
@@ -86,7 +86,8 @@ def runner(compiled):
 
     request = compiled.create_infer_request()
 
-    def predict(images, batch_size: int = 256):
+    def predict(images, batch_size: int | None = None):
+        batch_size = batch_size or scoring_batch_size(images.shape)
         outputs = []
         for start in range(0, len(images), batch_size):
             batch = np.ascontiguousarray(images[start:start + batch_size].numpy(),
