@@ -193,9 +193,10 @@ def profiled(loaded: dict, rows: list[dict], reference: str, config, splits,
     if not cpu_rows:
         return None
     chosen = verdict(cpu_rows, reference, config.max_accuracy_drop)
-    # Timed, every session holds the memory its largest batch needed; the profiler then
-    # builds one more. At 224x224 that took the measuring child of efficientnet_b0 to 24.9 of
-    # 25.3 GB and the out-of-memory killer: what is not profiled is let go first.
+    # The profiler builds one more session beside every loaded variant (efficientnet_b0 at
+    # 224x224: 4.0 GB loaded, 4.8 at the peak of profiling ort-dynamic), so what it does not
+    # profile is let go first. (The report's out-of-memory kill at 224x224 was the scoring
+    # batches': stages/measure/evaluate.py.)
     profiled_names = {n for pair in profile.chosen_pairs(cpu_rows, chosen) for n in pair if n}
     for name in [n for n in loaded if n not in profiled_names]:
         del loaded[name]

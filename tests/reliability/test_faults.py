@@ -357,13 +357,30 @@ def test_sigterm_marks_the_stage_failed_and_loses_nothing(tmp_path):
     _check_nothing_half_written(run_root)
 
 
+def _training_fails_under_sigterm(tmp_path, monkeypatch, name: str) -> None:
+    """Run train through the CLI with SIGTERM's handler installed, training raising: the
+    stage must end `failed` with training's error, and the process with SIGTERM's code."""
+    def broken_training(*args, **kwargs):
+        raise RuntimeError("training broke")
+
+    monkeypatch.setattr(train, "run", broken_training)
+    pytest_handler = signal.getsignal(signal.SIGTERM)
+    cli_module._fail_stage_on_sigterm()
+    try:
+        result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "--run", name,
+                                          *TINY_CLI])
+    finally:
+        signal.signal(signal.SIGTERM, pytest_handler)
+    assert result.exit_code == 128 + signal.SIGTERM
+    stage = artifacts.open_run(tmp_path, name).manifest()["stages"]["train"]
+    assert stage["status"] == "failed"
+    assert stage["error"] == "RuntimeError: training broke"
+
+
 def test_a_sigterm_while_the_failure_is_written_waits_for_it(tmp_path, monkeypatch):
     """torchrun's SIGTERM can reach a rank while it records its own failure (it did in CI, and
     the stage stayed `running`): the signal is held until the manifest says `failed`, and then
     still ends the process with SIGTERM's code."""
-    def broken_training(*args, **kwargs):
-        raise RuntimeError("training broke")
-
     real_write = artifacts.atomic_write_text
 
     def write_text(path, text):
@@ -371,27 +388,13 @@ def test_a_sigterm_while_the_failure_is_written_waits_for_it(tmp_path, monkeypat
             signal.raise_signal(signal.SIGTERM)  # its handler runs at the next line of Python
         real_write(path, text)
 
-    monkeypatch.setattr(train, "run", broken_training)
     monkeypatch.setattr(artifacts, "atomic_write_text", write_text)
-    pytest_handler = signal.getsignal(signal.SIGTERM)
-    cli_module._fail_stage_on_sigterm()
-    try:
-        result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "--run", "held",
-                                          *TINY_CLI])
-    finally:
-        signal.signal(signal.SIGTERM, pytest_handler)
-    assert result.exit_code == 128 + signal.SIGTERM
-    stage = artifacts.open_run(tmp_path, "held").manifest()["stages"]["train"]
-    assert stage["status"] == "failed"
-    assert stage["error"] == "RuntimeError: training broke"
+    _training_fails_under_sigterm(tmp_path, monkeypatch, "held")
 
 
 def test_a_sigterm_just_after_the_error_still_leaves_the_stage_failed(tmp_path, monkeypatch):
     """The CI case the test above did not catch: torchrun's SIGTERM lands with the error that
     made the rank fail, and its handler raises before the failure write holds signals back."""
-    def broken_training(*args, **kwargs):
-        raise RuntimeError("training broke")
-
     real_deferred = signals.deferred
     signalled = []
 
@@ -401,19 +404,8 @@ def test_a_sigterm_just_after_the_error_still_leaves_the_stage_failed(tmp_path, 
             signal.raise_signal(signal.SIGTERM)  # its handler raises SystemExit here
         return real_deferred(*numbers)
 
-    monkeypatch.setattr(train, "run", broken_training)
     monkeypatch.setattr(signals, "deferred", deferred)
-    pytest_handler = signal.getsignal(signal.SIGTERM)
-    cli_module._fail_stage_on_sigterm()
-    try:
-        result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "--run", "early",
-                                          *TINY_CLI])
-    finally:
-        signal.signal(signal.SIGTERM, pytest_handler)
-    assert result.exit_code == 128 + signal.SIGTERM
-    stage = artifacts.open_run(tmp_path, "early").manifest()["stages"]["train"]
-    assert stage["status"] == "failed"
-    assert stage["error"] == "RuntimeError: training broke"
+    _training_fails_under_sigterm(tmp_path, monkeypatch, "early")
 
 
 def test_a_run_in_use_by_another_process_is_refused_until_that_process_dies(tmp_path):

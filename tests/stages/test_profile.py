@@ -208,8 +208,8 @@ def test_inductors_compiled_graph_is_named_in_words_and_counted_as_its_own_code(
 
 
 def test_variants_not_profiled_are_let_go_before_the_profiler_runs(tiny_run, monkeypatch):
-    """At 224x224 every timed session's memory together, and the profiler's one more, took a
-    report past the machine's memory: only the variants of the chosen pairs stay loaded."""
+    """The profiler builds a session beside every loaded variant (at 224x224 each holds
+    hundreds of MB): only the variants of the chosen pairs stay loaded."""
     from pipeline.config import ReportConfig
     from stages.data.datasets import splits_of_run
     from stages.report import measuring
