@@ -281,7 +281,7 @@ def make_dynamic(ctx) -> dict:
     source = ort_session(ctx.run.verified_path("onnx-fp32"), ctx.threads)
     record = ctx.score_without_search(
         "ort-dynamic", lambda images: ort_predict(ort_session(made, ctx.threads), images),
-        lambda images: ort_predict(source, images), options)
+        lambda images: ort_predict(source, images), "onnx-fp32", options)
     if record["chosen"] is None:
         return ctx.not_kept("ort-dynamic", record)
     return _finish(ctx, "ort-dynamic", made, "onnx-fp32", {"options": options,
@@ -348,7 +348,7 @@ def make_static(ctx) -> dict:
         options["equalize"] = ctx.equalizes(per_tensor_weights=not options["per_channel"])
     backend = _static_backend(ctx)
     reference = ctx.reference(lambda images: ort_predict(
-        ort_session(ctx.run.verified_path("onnx-fp32"), ctx.threads), images))
+        ort_session(ctx.run.verified_path("onnx-fp32"), ctx.threads), images), "onnx-fp32")
     ctx.say("ort-static: scoring on the validation slice")
     trial, record = tuning.tune(backend, candidates, reference, config.max_accuracy_drop,
                                 say=ctx.say, seconds=config.tuning_time)

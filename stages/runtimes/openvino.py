@@ -294,7 +294,7 @@ def make_bf16(ctx) -> dict:
     fp32_predict = runner(compile_model(model, ctx.threads))[0]
     bf16_predict = runner(compiled := compile_model(model, ctx.threads, precision="bf16"))[0]
     record = ctx.score_without_search("openvino-bf16", bf16_predict, fp32_predict,
-                                      {"precision_hint": "bf16"})
+                                      "openvino-fp32", {"precision_hint": "bf16"})
     if record["chosen"] is None:
         return ctx.not_kept("openvino-bf16", record)
     images = ctx.check_images()
@@ -347,7 +347,7 @@ def make_int8(ctx) -> dict:
     # activations, which suit activations that are not centred on zero.
     presets = ["PERFORMANCE", "MIXED"] if config.auto else ["PERFORMANCE"]
     fp32_predict, _ = runner(compile_model(fp32_model, ctx.threads))
-    reference = ctx.reference(fp32_predict)
+    reference = ctx.reference(fp32_predict, "openvino-fp32")
     ctx.say("openvino-int8: scoring on the validation slice")
     trial, record = tuning.tune(_int8_backend(ctx, fp32_model, calibration),
                                 [{"preset": p} for p in presets], reference,

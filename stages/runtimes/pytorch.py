@@ -126,7 +126,7 @@ def make_bf16_compiled(ctx) -> dict:
                                           lambda: autocast_module(copy.deepcopy(model), "bf16"))
         record = ctx.score_without_search(
             "amp-compiled", functools.partial(inductor.predict_compiled, compiled),
-            lambda images: predict(model, images), {"autocast": "bf16"})
+            lambda images: predict(model, images), ctx.source, {"autocast": "bf16"})
         if record["chosen"] is None:
             ctx.not_kept("amp-compiled", record)
             return
@@ -219,7 +219,8 @@ def make_dynamic(ctx) -> dict:
     # Activations are quantized at run time; one batch lets the weight observers see weights.
     graph = pt2e.quantize_pt2e(model, ctx.spec, options, ctx.calibration()[:1])
     record = ctx.score_without_search("torch-dynamic", lambda images: predict(graph, images),
-                                      lambda images: predict(model, images), options)
+                                      lambda images: predict(model, images), ctx.source,
+                                      options)
     if record["chosen"] is None:
         return ctx.not_kept("torch-dynamic", record)
     recipe = {"options": options, "float_layers": []}
@@ -257,7 +258,7 @@ def make_static(ctx) -> dict:
         and ctx.equalized_model()[1]["applied"],
         depthwise=bool(pt2e.depthwise_names(ctx.float_model()))
         and bool(_quantized_layers(ctx.float_model(), {"float_depthwise": True})))
-    reference = ctx.reference(lambda images: predict(ctx.float_model(), images))
+    reference = ctx.reference(lambda images: predict(ctx.float_model(), images), ctx.source)
     ctx.say("torch-static: scoring on the validation slice")
     trial, record = tuning.tune(_backend(ctx, calibration), candidates, reference,
                                 config.max_accuracy_drop, say=ctx.say,
