@@ -1,8 +1,7 @@
 """One dataclass per stage, validated on creation; TOML files fill in what flags leave out.
 
-Precedence: dataclass defaults < config file < command line. This module imports no torch, so
-that `pipeline --help` stays instant; the one check that needs torchvision (model names) imports
-it only when a config is built for a real run.
+Precedence: dataclass defaults < config file < command line. No torch here, so that `pipeline
+--help` stays instant; the model-name check imports torchvision only for a real run.
 """
 from __future__ import annotations
 
@@ -191,7 +190,7 @@ class QatConfig:
 @dataclass
 class QuantizeConfig:
     methods: tuple[str, ...] = QUANT_METHODS
-    calibration_samples: int = 512
+    calibration_samples: int | None = None  # None: by image size (default_calibration_samples)
     calibration_batch_size: int = 32
     calibration_method: str | None = None  # None: each backend's fast default
     per_channel: bool | None = None  # None: per-channel for PyTorch, per-tensor for ORT
@@ -200,8 +199,8 @@ class QuantizeConfig:
     auto: bool = False
     max_accuracy_drop: float = 1.0
     tuning_time: float | None = None  # seconds each static backend's search may take
-    # Cross-layer equalization before torch-static and ort-static; None: where weights are
-    # per-tensor (ort-static's default), and tried by --auto elsewhere.
+    # Cross-layer equalization before torch-static and ort-static; None: with per-tensor
+    # weights (ort-static's default), tried by --auto elsewhere.
     equalize: bool | None = None
     seed: int = 0
     quiet: bool = False
@@ -216,7 +215,8 @@ class QuantizeConfig:
             _method(method)
         if not self.methods:
             raise ValueError(f"--methods is empty; choose from: all, {', '.join(QUANT_METHODS)}")
-        at_least("--calibration-samples", self.calibration_samples, 1)
+        if self.calibration_samples is not None:
+            at_least("--calibration-samples", self.calibration_samples, 1)
         at_least("--calibration-batch-size", self.calibration_batch_size, 1)
         if self.calibration_method is not None:
             choice("--calibration-method", self.calibration_method, CALIBRATION_METHODS)

@@ -99,7 +99,8 @@ QAT = {
 
 QUANTIZE = {
     "methods": Flag("Comma list of the variants to make, or all (`pipeline list variants`)."),
-    "calibration_samples": Flag("Training images static quantization observes."),
+    "calibration_samples": Flag("Training images static quantization observes.",
+                                default="512 up to 64x64, 128 from 128x128"),
     "calibration_batch_size": Flag("Images a calibration batch."),
     "calibration_method": Flag("ONNX Runtime static calibration.", default="minmax, or what "
                                "--auto finds", choices=cfg.CALIBRATION_METHODS),

@@ -8,6 +8,16 @@ from stages.data.loaders import batches, make_loader
 from stages.run.errors import PipelineError
 
 
+def default_calibration_samples(image_size: int) -> int:
+    """Training images calibration observes where --calibration-samples is not given: 512 up to
+    64x64, then as many as hold the same pixels, at least 128. Each image gives every channel
+    one value per pixel, so 128 at 224x224 give 6.4 million where 512 at 32x32 give 0.5; at
+    224x224 on resnet18 they cut quantize from 8 min 28 s to 7 min 1 s, with torch-static's
+    held-out drop -0.76 points all-int8 and -0.38 with one layer float (-0.43 and 0 with two
+    at 512; AMX Xeon), and the images left over join the held-out set (1,309 from 925)."""
+    return max(128, min(512, 512 * 64 * 64 // (image_size * image_size)))
+
+
 def calibration_batches(splits: DataSplits, num_samples: int, batch_size: int, seed: int):
     """Tensors of training images (never test images) for static quantization to observe."""
     import torch

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -12,7 +13,8 @@ from typing import Iterator
 from stages import runtimes
 from stages.data.datasets import DataSplits, splits_of_run
 from stages.data.loaders import first_images
-from stages.data.subsets import calibration_batches, check_calibration, tuning_images
+from stages.data.subsets import (calibration_batches, check_calibration,
+                                 default_calibration_samples, tuning_images)
 from stages.measure.evaluate import accuracy
 from stages.run.artifacts import Run
 from stages.run.errors import PipelineError
@@ -197,7 +199,11 @@ def context(run: Run, config, stage: str, **options) -> Iterator[QuantContext]:
     folder.mkdir(parents=True, exist_ok=True)
     splits = splits_of_run(run)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".scratch-") as scratch:
-        ctx = QuantContext(run, config, splits, run.entry(source)["model_spec"], folder,
+        spec = run.entry(source)["model_spec"]
+        if getattr(config, "calibration_samples", 0) is None:  # qat's config has none
+            config = dataclasses.replace(config, calibration_samples=default_calibration_samples(
+                spec["image_size"]))
+        ctx = QuantContext(run, config, splits, spec, folder,
                            Path(scratch), source, torch.get_num_threads(), stage=stage,
                            **options)
         if stage == "quantize":

@@ -140,12 +140,20 @@ def test_file_variants_give_the_same_logits_each_time_they_load(tiny_run, name):
     assert torch.allclose(first, second, atol=1e-5)
 
 
-def test_ort_static_alone_exports_onnx_first_and_unknown_methods_are_refused(tmp_path):
+def test_ort_static_alone_exports_onnx_first_and_unknown_methods_are_refused(tmp_path,
+                                                                           monkeypatch):
+    """Also: without --calibration-samples, the number for the model's image size is what
+    calibration uses and what config.json records (the report's held-out set leaves those
+    images out)."""
+    from stages.runtimes import context
+
     run = artifacts.create_run(tmp_path, "only-static")
     train.run(TrainConfig(**TINY_TRAIN | {"epochs": 1, "baseline": False}), run)
-    results = quantize.run(QuantizeConfig(methods="ort-static", calibration_samples=64,
-                                          quiet=True), run)
+    monkeypatch.setattr(context, "default_calibration_samples", {8: 48}.get)
+    results = quantize.run(QuantizeConfig(methods="ort-static", quiet=True), run)
     assert list(results) == ["onnx-fp32", "ort-static"]
+    assert run.recorded_config("quantize")["calibration_samples"] == 48
+    assert run.entry("ort-static")["quantization"]["calibration_samples"] == 48
     assert "torch-static" not in run.artifacts()
     with pytest.raises(UsageError,
                        match="torch-qat, ort-qat, openvino-qat come from 'pipeline qat'"):

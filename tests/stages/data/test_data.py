@@ -77,3 +77,10 @@ def test_the_stratified_split_shares_the_held_out_part_among_classes_in_proporti
     assert np.array_equal(again[1], held) and not np.array_equal(other[1], held)
     with pytest.raises(PipelineError, match="class 9 has a single image; give every class two"):
         stratified_split(np.array([0, 0, 9]), 0.5, seed=0)
+
+
+def test_calibration_holds_512_images_up_to_64x64_then_their_pixels_down_to_128():
+    from stages.data.subsets import default_calibration_samples
+
+    sizes = (8, 32, 64, 96, 128, 224, 512)
+    assert [default_calibration_samples(s) for s in sizes] == [512, 512, 512, 227, 128, 128, 128]
