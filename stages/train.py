@@ -91,7 +91,7 @@ class Model:
     folder: Path
     spec: dict
     checkpointer: Checkpointer
-    baseline_finite: bool
+    baseline_epochs: int  # that the fp32 baseline ran without a NaN loss (0: no baseline)
     chance: float = 0.0
     resumed_from: str | None = None
 
@@ -103,7 +103,7 @@ class Model:
 
 
 def _start(variant: str, precision: Precision, splits: DataSplits, config, run: Run, device,
-           resume: bool, baseline_finite: bool) -> Model:
+           resume: bool, baseline_epochs: int) -> Model:
     """Build the model and its training parts; with ``resume``, restore the newest good
     checkpoint."""
     world = distributed.current()
@@ -118,7 +118,7 @@ def _start(variant: str, precision: Precision, splits: DataSplits, config, run: 
                   model_spec(config.model, splits.num_classes, splits.in_channels,
                              splits.image_size),
                   Checkpointer(run, variant, folder, config.keep_checkpoints, asdict(config)),
-                  baseline_finite)
+                  baseline_epochs)
     for note in loop.parts.notes:
         say(f"{variant}: initial weights: {note}", quiet=loop.quiet)
     found = newest_good_checkpoint(run, variant) if resume else None
@@ -147,7 +147,7 @@ def _check(model: Model, seen: Seen, epoch: int, epoch_start: int) -> None:
     if seen.first_bad >= 0:
         raise PipelineError(failures.nan_message(
             model.variant, loop.precision, loop.device, epoch, seen.first_bad - epoch_start + 1,
-            model.folder, model.baseline_finite))
+            model.folder, model.baseline_epochs))
     if seen.longest_run > model.config.max_skipped_steps:
         raise PipelineError(
             f"{model.variant}: GradScaler skipped {seen.longest_run} optimizer steps in a "
@@ -198,12 +198,12 @@ def _end_epoch(model: Model, budget: float | None, epoch: int, record: dict,
 
 
 def train_variant(variant: str, precision: Precision, splits: DataSplits, config, run: Run,
-                  device, resume: bool = False, baseline_finite: bool = False,
+                  device, resume: bool = False, baseline_epochs: int = 0,
                   budget: float | None = None) -> TrainResult:
     """Train one model (or continue it) and write checkpoints, metrics.jsonl and model.pt.
     It ends at --epochs, once validation accuracy has not improved for --patience epochs, or
     at the epochs that fit ``budget`` seconds at the pace measured so far."""
-    model = _start(variant, precision, splits, config, run, device, resume, baseline_finite)
+    model = _start(variant, precision, splits, config, run, device, resume, baseline_epochs)
     memory = PeakMemory(device) if device.type == "cuda" else contextlib.nullcontext()
     with memory:
         fit(model.loop, _hooks(model, budget))
@@ -369,9 +369,9 @@ def _train_each(variants: list, splits: DataSplits, config, run: Run, device,
                                           for f in TrainResult.__dataclass_fields__}))
             say(f"{name}: already finished", quiet=config.quiet)
             continue
-        baseline_finite = any(r.variant == "fp32" for r in results)
+        baseline_epochs = max([r.epochs_run or 0 for r in results if r.variant == "fp32"] + [0])
         results.append(train_variant(name, precision, splits, config, run, device, resume,
-                                     baseline_finite, each))
+                                     baseline_epochs, each))
     return results
 
 

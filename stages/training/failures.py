@@ -79,12 +79,14 @@ def worker_failures(variant: str, epoch: int, pos: Position, folder: Path, data_
 
 
 def nan_message(variant: str, precision, device, epoch: int, step: int, folder: Path,
-                baseline_finite: bool) -> str:
-    """Name the likely cause: a learning rate is to blame only where fp32 did not cope."""
+                baseline_epochs: int) -> str:
+    """Name the likely cause: mixed precision only where the fp32 baseline trained past the
+    same epoch (``baseline_epochs``: the epochs it ran, 0 where there was none); one that
+    stopped sooner (its plateau or time budget) says nothing about the learning rate."""
     where = (f"{variant}: the loss became NaN or infinite at epoch {epoch} step {step} "
              f"(checkpoints already written in {folder} are untouched)")
-    if precision.name != "fp32" and baseline_finite:
-        return (f"{where}; the fp32 baseline trained through the same steps with the same "
+    if precision.name != "fp32" and baseline_epochs >= epoch:
+        return (f"{where}; the fp32 baseline trained through epoch {epoch} with the same "
                 f"learning rate, so the cause is {precision.name} arithmetic or its kernels on "
                 f"this {device.type.upper()}, not --lr: use --precision fp32 (and report the CPU, "
                 f"torch version and ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '')})")

@@ -98,3 +98,17 @@ def test_the_same_seed_twice_gives_the_same_weights_predictions_and_report(tmp_p
     figures = [[(m["name"], m["accuracy"], m["agreement"], m["flipped_predictions"],
                  m["validation"]["accuracy"]) for m in r["models"]] for r in reports]
     assert figures[0] == figures[1]
+
+
+def test_a_baseline_that_stopped_sooner_does_not_clear_the_learning_rate(tmp_path):
+    """amp goes NaN in epoch 3 where fp32 stopped after 2 (its plateau or time budget): fp32
+    never met that epoch's steps, so the message must not rule --lr out."""
+    from types import SimpleNamespace
+
+    from stages.training.failures import nan_message
+
+    bf16, cpu = SimpleNamespace(name="bf16"), SimpleNamespace(type="cpu")
+    sooner = nan_message("amp", bf16, cpu, 3, 5, tmp_path, baseline_epochs=2)
+    assert "not --lr" not in sooner and "lower --lr" in sooner
+    through = nan_message("amp", bf16, cpu, 3, 5, tmp_path, baseline_epochs=3)
+    assert "trained through epoch 3" in through and "not --lr" in through
