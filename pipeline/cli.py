@@ -176,7 +176,7 @@ def quantize(ctx: click.Context, **flags) -> Processor:
     def process(run) -> None:
         from stages import quantize as quantize_stage
 
-        for variant in quantize_stage.run(config, run, qat_config):
+        for variant in quantize_stage.run_as_deployed(config, run, qat_config):
             if variant in run.artifacts():  # a search that kept nothing said so already
                 click.echo(f"{variant}: {run.root / run.entry(variant)['path']}")
 

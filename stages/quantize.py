@@ -9,9 +9,11 @@ configuration keeps within the accuracy budget, it goes on to quantization-aware
 """
 from __future__ import annotations
 
+import os
+
 from stages import runtimes
 from stages.run.artifacts import Run
-from stages.run.errors import UsageError
+from stages.run.errors import PipelineError, UsageError
 from stages.run.progress import say
 from stages.runtimes.context import context, source_of
 
@@ -58,6 +60,30 @@ def run(config, run: Run, qat_config=None) -> list[str]:
         return names + escalate_to_qat(run, names, config.max_accuracy_drop, qat_config,
                                        quiet=config.quiet)
     return names
+
+
+def run_as_deployed(config, target: Run, qat_config=None) -> list[str]:
+    """run(), in a process of its own where this one caps oneDNN for bf16 training (an AMX
+    CPU): quantize scores its candidates and times them for --auto, and the cap is not what a
+    deployment gets. In the 224x224 chain it made openvino-bf16's scoring 2x slower and
+    amp-compiled's 4x (AMX Xeon), and --auto would rank candidates as no deployment runs
+    them. A QAT in bf16, which --auto may go on to, needs the cap, so stays here."""
+    from stages.run import isolated
+
+    bf16_qat = config.auto and qat_config is not None and qat_config.precision == "bf16"
+    if isolated.deployment_environment() == dict(os.environ) or bf16_qat:
+        return run(config, target, qat_config)
+    try:
+        return isolated.call("stages.quantize:_run_in_child", config, target, qat_config)
+    except isolated.Crashed as crash:
+        raise PipelineError(f"quantize: its process died ({crash}); please report this with "
+                            "--debug output") from None
+    finally:
+        isolated.release()  # the report measures in a fresh process, as when run alone
+
+
+def _run_in_child(doing, config, target: Run, qat_config) -> list[str]:
+    return run(config, target, qat_config)
 
 
 def escalate_to_qat(run: Run, made: list[str], budget_points: float, qat_config, *,

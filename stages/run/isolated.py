@@ -118,8 +118,8 @@ def call(target: str, *args: Any, environment: dict[str, str] | None = None) -> 
         _worker = _Worker(key)
         # Registered after multiprocessing's own exit handler (made when the first child
         # started), so that it runs first: that one joins every child still running.
-        atexit.unregister(_stop_worker)
-        atexit.register(_stop_worker)
+        atexit.unregister(release)
+        atexit.register(release)
     worker = _worker
     Doing(worker.buffer)("")
     peak = [0]
@@ -142,7 +142,9 @@ def call(target: str, *args: Any, environment: dict[str, str] | None = None) -> 
     raise value
 
 
-def _stop_worker() -> None:
+def release() -> None:
+    """End the kept child, so that the next call starts a fresh process (after quantize, the
+    report's measuring child does not inherit its memory)."""
     global _worker
     if _worker is not None:
         _worker.stop()

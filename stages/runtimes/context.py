@@ -4,8 +4,9 @@ where to write, and how to register what was made."""
 from __future__ import annotations
 
 import contextlib
-import tempfile
 import dataclasses
+import os
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -13,8 +14,12 @@ from typing import Iterator
 from stages import runtimes
 from stages.data.datasets import DataSplits, splits_of_run
 from stages.data.loaders import first_images
-from stages.data.subsets import (calibration_batches, check_calibration,
-                                 default_calibration_samples, tuning_images)
+from stages.data.subsets import (
+    calibration_batches,
+    check_calibration,
+    default_calibration_samples,
+    tuning_images,
+)
 from stages.measure.evaluate import accuracy
 from stages.run.artifacts import Run
 from stages.run.errors import PipelineError
@@ -208,5 +213,7 @@ def context(run: Run, config, stage: str, **options) -> Iterator[QuantContext]:
                            **options)
         if stage == "quantize":
             ctx.calibration()  # bad calibration data stops the stage before anything is written
-        run.record_config(stage, asdict(config) | {"source": source})
+        run.record_config(stage, asdict(config) | {"source": source, "onednn_max_cpu_isa":
+                                                   os.environ.get("ONEDNN_MAX_CPU_ISA",
+                                                                  "not capped")})
         yield ctx

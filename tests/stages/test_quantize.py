@@ -417,3 +417,21 @@ def test_bf16_variants_are_float_variants_run_in_bf16(tiny_run):
     assert "bf16 hint" in rows["openvino-bf16"]["serving"]
     assert any("bf16" in kernel for kernel in rows["openvino-bf16"]["kernels"])
     assert rows["amp-compiled"]["serving"].endswith("bf16 autocast")
+
+
+def test_in_a_process_capped_for_training_quantize_runs_without_the_cap(tiny_run, tmp_path,
+                                                                        monkeypatch):
+    """As in `pipeline train quantize` on an AMX CPU: bf16 training capped oneDNN for the
+    chain's process, and quantize scores and times what a deployment runs, without the cap."""
+    from stages.run import isolated
+    from tests.conftest import _copy
+
+    run = _copy(tiny_run["run"], tmp_path / "artifacts")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    monkeypatch.setenv(isolated.CAPPED_FOR_TRAINING, "AVX512_CORE_BF16")
+    made = quantize.run_as_deployed(QuantizeConfig(methods="ort-dynamic", quiet=True), run)
+    assert made == ["ort-dynamic"] and "ort-dynamic" in run.artifacts()
+    assert run.recorded_config("quantize")["onednn_max_cpu_isa"] == "not capped"
+    monkeypatch.delenv(isolated.CAPPED_FOR_TRAINING)  # a cap of the user's own: kept
+    quantize.run_as_deployed(QuantizeConfig(methods="ort-dynamic", quiet=True), run)
+    assert run.recorded_config("quantize")["onednn_max_cpu_isa"] == "AVX512_CORE_BF16"
