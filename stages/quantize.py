@@ -83,6 +83,7 @@ def run_as_deployed(config, target: Run, qat_config=None) -> list[str]:
 
 
 def _run_in_child(doing, config, target: Run, qat_config) -> list[str]:
+    doing(f"quantizing run {target.name}")  # what a crash's message names
     return run(config, target, qat_config)
 
 

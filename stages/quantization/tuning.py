@@ -243,7 +243,7 @@ def _why_stopped(met: bool, deadline: float | None, counts: tuple[int, int, int]
             f"; {layers - ranked} of {layers} layers not yet ranked" if ranked < layers else "")
     most = min(ranked, layers - 1)
     if most < 1:
-        return "one layer: keeping it in float would leave nothing in int8"
+        return "no layer can stay float without leaving nothing in int8"
     return (f"missed even with the {most} most sensitive of {layers} layers in float"
             + ("; all of them would be the float model" if most == layers - 1 else ""))
 

@@ -205,7 +205,7 @@ def context(run: Run, config, stage: str, **options) -> Iterator[QuantContext]:
     splits = splits_of_run(run)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".scratch-") as scratch:
         spec = run.entry(source)["model_spec"]
-        if getattr(config, "calibration_samples", 0) is None:  # qat's config has none
+        if getattr(config, "calibration_samples", 0) is None:  # (qat's config has no such field)
             config = dataclasses.replace(config, calibration_samples=default_calibration_samples(
                 spec["image_size"]))
         ctx = QuantContext(run, config, splits, spec, folder,
