@@ -104,7 +104,8 @@ def assemble(run: Run, config, threads: int, rows: list[dict], measured: dict,
     histories = _histories(run)
     environment = machine.environment(threads) | {"isa": measured["isa"]}  # the child's
     learning_rate = learning_rate_of(run)
-    figures = draw_figures(rows, reference, histories, learning_rate, folder)
+    figures = draw_figures(rows, reference, histories, learning_rate, folder,
+                           config.max_accuracy_drop)
     gpu_rows = on_device(rows, "cuda")
     environment |= {"gpu": gpu.name(), "gpu_rows": bool(gpu_rows),
                     "gpu_note": _gpu_note(config, gpu_rows, measured["unmeasured"])}
@@ -121,11 +122,11 @@ def assemble(run: Run, config, threads: int, rows: list[dict], measured: dict,
 
 
 def draw_figures(rows: list[dict], reference: str, histories: dict, learning_rate: dict,
-                 folder: Path) -> dict[str, str]:
+                 folder: Path, budget_points: float) -> dict[str, str]:
     """The report's figures, each with what it shows: those with nothing to show are left out."""
     figures = dict(FIGURES)
     plots.latency_vs_size(rows, folder / "latency-vs-size.png")
-    plots.speedup_and_size(rows, reference, folder / "speedup.png")
+    plots.speedup_and_size(rows, reference, folder / "speedup.png", budget_points)
     if histories:
         plots.training_curves(histories, folder / "training-curves.png")
     else:

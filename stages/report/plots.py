@@ -80,7 +80,25 @@ def latency_vs_size(rows: list[dict], path: Path) -> None:
     _save(plt, fig, path)
 
 
-def speedup_and_size(rows: list[dict], reference: str, path: Path) -> None:
+def speedup_styles(rows: list[dict], size: str, budget_points: float) -> list[dict]:
+    """Each bar's look at batch ``size``: green faster than the fastest float beyond noise, red
+    slower, grey within noise; a variant beyond the accuracy budget (which the report never
+    recommends, however fast) hatched and unfilled, so that a fast int8 that lost accuracy is
+    not drawn as a win."""
+    from stages.report.recommendation import worst_accuracy_drop
+
+    styles = []
+    for row in rows:
+        x = row["speedup_vs_best_float"][size]
+        colour = "tab:green" if x["low"] > 1 else "tab:red" if x["high"] < 1 else "tab:gray"
+        beyond = worst_accuracy_drop(row) > budget_points + 1e-9
+        styles.append({"edgecolor": colour, "facecolor": "white" if beyond else colour,
+                       "hatch": "///" if beyond else ""})
+    return styles
+
+
+def speedup_and_size(rows: list[dict], reference: str, path: Path,
+                     budget_points: float) -> None:
     """Speed-up against the fastest float variant at each batch size, with its interval, and
     size against the reference: right of 1 is faster, left of 1 is smaller."""
     sizes = list(rows[0]["latency_ms"])
@@ -92,16 +110,18 @@ def speedup_and_size(rows: list[dict], reference: str, path: Path) -> None:
         ratios = [r["speedup_vs_best_float"][size] for r in rows]
         values = [x["ratio"] for x in ratios]
         errors = [[x["ratio"] - x["low"] for x in ratios], [x["high"] - x["ratio"] for x in ratios]]
-        colours = ["tab:green" if x["low"] > 1 else "tab:red" if x["high"] < 1 else "tab:gray"
-                   for x in ratios]
-        ax.barh(names, values, xerr=errors, color=colours, capsize=2)
+        styles = speedup_styles(rows, size, budget_points)
+        bars = ax.barh(names, values, xerr=errors, capsize=2)
+        for bar, style in zip(bars, styles):
+            bar.set(**style)
         ax.axvline(1.0, color="black", linewidth=0.8)
         for i, (v, x) in enumerate(zip(values, ratios)):  # beyond the whisker, not on it
             ax.text(max(v, x["high"]), i, f" {v:.2f}x", va="center", fontsize=7)
         ax.set_xlim(0, max(x["high"] for x in ratios) * 1.18)
         ax.set_title(f"speed-up vs fastest float on its device, batch {size}"
-                     + ("\n(rows @cuda: on the GPU)" if any("@" in n for n in names) else ""),
-                     fontsize=9)
+                     + ("\n(rows @cuda: on the GPU)" if any("@" in n for n in names) else "")
+                     + ("\nhatched: beyond the accuracy budget, not recommended"
+                        if any(s["hatch"] for s in styles) else ""), fontsize=9)
         ax.invert_yaxis()
     sizes_ratio = [r["size_bytes"] / ref["size_bytes"] for r in rows]
     ax = axes[-1]

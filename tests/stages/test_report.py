@@ -426,6 +426,16 @@ def test_plots_are_real_pngs_embedded_in_the_report(tiny_run, figure):
     tiny_run["run"].verified_path(f"report/{figure}")
 
 
+def test_a_fast_variant_beyond_the_accuracy_budget_is_not_drawn_as_a_win():
+    """speedup.png drew a fast int8 green though the report refused it for its accuracy."""
+    fast = {"low": 1.8, "ratio": 2.0, "high": 2.2}
+    rows = [{"speedup_vs_best_float": {"32": fast},
+             "validation": {"change_vs_reference": {"worst": worst}}} for worst in (-0.004, -0.03)]
+    within, beyond = plots.speedup_styles(rows, "32", budget_points=1.0)
+    assert within == {"edgecolor": "tab:green", "facecolor": "tab:green", "hatch": ""}
+    assert beyond == {"edgecolor": "tab:green", "facecolor": "white", "hatch": "///"}
+
+
 def test_the_pareto_front_keeps_what_nothing_beats_on_both_counts():
     points = [(44.0, 10.0, "fp32"), (44.0, 5.0, "onnx-fp32"), (11.0, 6.0, "ort-static"),
               (11.0, 4.0, "openvino-int8"), (12.0, 9.0, "torch-dynamic")]
