@@ -66,8 +66,9 @@ def run_as_deployed(config, target: Run, qat_config=None) -> list[str]:
     """run(), in a process of its own where this one caps oneDNN for bf16 training (an AMX
     CPU): quantize scores its candidates and times them for --auto, and the cap is not what a
     deployment gets. In the 224x224 chain it made openvino-bf16's scoring 2x slower and
-    amp-compiled's 4x (AMX Xeon), and --auto would rank candidates as no deployment runs
-    them. A QAT in bf16, which --auto may go on to, needs the cap, so stays here."""
+    amp-compiled's 3 to 4x (AMX Xeon: 35 s against 16-17, 26 s against 6-8), and --auto
+    would rank candidates as no deployment runs them. A QAT in bf16, which --auto may go on
+    to, needs the cap, so stays here."""
     from stages.run import isolated
 
     bf16_qat = config.auto and qat_config is not None and qat_config.precision == "bf16"

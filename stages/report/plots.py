@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from stages.report.recommendation import worst_accuracy_drop
 from stages.run.files import atomic_path
 
 RUNTIME_COLOURS = {"pytorch": "tab:blue", "onnx": "tab:orange", "openvino": "tab:green"}
@@ -85,8 +86,6 @@ def speedup_styles(rows: list[dict], size: str, budget_points: float) -> list[di
     slower, grey within noise; a variant beyond the accuracy budget (which the report never
     recommends, however fast) hatched and unfilled, so that a fast int8 that lost accuracy is
     not drawn as a win."""
-    from stages.report.recommendation import worst_accuracy_drop
-
     styles = []
     for row in rows:
         x = row["speedup_vs_best_float"][size]

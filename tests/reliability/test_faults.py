@@ -357,7 +357,7 @@ def test_sigterm_marks_the_stage_failed_and_loses_nothing(tmp_path):
     _check_nothing_half_written(run_root)
 
 
-def _training_fails_under_sigterm(tmp_path, monkeypatch, name: str) -> None:
+def _check_training_fails_under_sigterm(tmp_path, monkeypatch, name: str) -> None:
     """Run train through the CLI with SIGTERM's handler installed, training raising: the
     stage must end `failed` with training's error, and the process with SIGTERM's code."""
     def broken_training(*args, **kwargs):
@@ -389,7 +389,7 @@ def test_a_sigterm_while_the_failure_is_written_waits_for_it(tmp_path, monkeypat
         real_write(path, text)
 
     monkeypatch.setattr(artifacts, "atomic_write_text", write_text)
-    _training_fails_under_sigterm(tmp_path, monkeypatch, "held")
+    _check_training_fails_under_sigterm(tmp_path, monkeypatch, "held")
 
 
 def test_a_sigterm_just_after_the_error_still_leaves_the_stage_failed(tmp_path, monkeypatch):
@@ -405,7 +405,7 @@ def test_a_sigterm_just_after_the_error_still_leaves_the_stage_failed(tmp_path, 
         return real_deferred(*numbers)
 
     monkeypatch.setattr(signals, "deferred", deferred)
-    _training_fails_under_sigterm(tmp_path, monkeypatch, "early")
+    _check_training_fails_under_sigterm(tmp_path, monkeypatch, "early")
 
 
 def test_a_run_in_use_by_another_process_is_refused_until_that_process_dies(tmp_path):
