@@ -132,7 +132,8 @@ def _loop(config, graph, splits, device) -> Loop:
         optimizer, CosineSchedule(config.epochs * len(loader), 0))
     precision = _precision(config)
     parts = Parts(graph, graph, optimizer, scheduler, grad_scaler(precision, device),
-                  torch.nn.CrossEntropyLoss(), sampler, loader, [])
+                  torch.nn.CrossEntropyLoss(), sampler, loader, [],
+                  memory_format="channels_last" if device.type == "cuda" else "NCHW")
     return Loop("qat", parts, precision, device, config.epochs, config.batch_size,
                 quiet=config.quiet)
 

@@ -76,6 +76,7 @@ class TrainResult:
     skipped_images: int = 0
     epochs_run: int = 0
     stopped: str = ""  # why training ended: at --epochs, on a plateau, or at the --time plan
+    memory_format: str = "channels_last"  # or "NCHW" where the model's forward needs it
 
 
 @dataclass
@@ -104,8 +105,7 @@ class Model:
 
 def _start(variant: str, precision: Precision, splits: DataSplits, config, run: Run, device,
            resume: bool, baseline_epochs: int) -> Model:
-    """Build the model and its training parts; with ``resume``, restore the newest good
-    checkpoint."""
+    """Build the model and its parts; with ``resume``, restore the newest good checkpoint."""
     world = distributed.current()
     folder = run.root / "train" / variant
     if world.is_main:
@@ -260,7 +260,7 @@ def _result(model: Model, memory) -> TrainResult:
         optimizer_steps=loop.pos.global_step - totals.skipped, final_loss=last["loss"],
         epochs=model.config.epochs, resumed_from=model.resumed_from,
         epochs_run=len(loop.history), stopped=totals.stopped,
-        isa=isa() if not on_cuda else None,
+        isa=isa() if not on_cuda else None, memory_format=loop.parts.memory_format,
         val_at_chance=failures.at_chance(best_record.get("train_accuracy", 0.0),
                                          totals.best_val, model.chance, len(splits.val)),
         skipped_images=splits.skipped_images)

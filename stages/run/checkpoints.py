@@ -93,10 +93,11 @@ class Checkpointer:
 def cpu_state_dict(model, clone: bool = False) -> OrderedDict:
     """The model's weights on the CPU as a state_dict that loads back: with the state_dict's
     ``_metadata`` (each module's version), without which some modules refuse to load
-    (torchvision's MNASNet raises "version should be set to 1 or 2")."""
+    (torchvision's MNASNet raises "version should be set to 1 or 2"). Contiguous whatever
+    layout the model trained in (channels_last), so that a file does not depend on it."""
     own = model.state_dict()
-    weights = OrderedDict((k, v.detach().cpu().clone() if clone else v.detach().cpu())
-                          for k, v in own.items())
+    weights = OrderedDict((k, v.detach().cpu().contiguous().clone() if clone
+                           else v.detach().cpu().contiguous()) for k, v in own.items())
     return with_metadata(weights, own)
 
 

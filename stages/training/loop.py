@@ -26,6 +26,7 @@ from stages.models.weights import initial_weights
 from stages.run.checkpoints import cpu_state_dict, restore_rng, rng_state
 from stages.run.progress import progress
 from stages.training import distributed
+from stages.training.layout import layout_that_runs
 from stages.training.precision import Precision, autocast, grad_scaler, seed_everything
 
 LOG_EVERY_CUDA = 50
@@ -76,6 +77,7 @@ class Parts:
     sampler: EpochSampler
     loader: object
     notes: list[str]  # what loading --init-weights/--weights adapted
+    memory_format: str = "NCHW"  # the batches' layout, the model's: training/layout.py
 
 
 def build_parts(config, splits: DataSplits, precision: Precision, device) -> Parts:
@@ -86,8 +88,7 @@ def build_parts(config, splits: DataSplits, precision: Precision, device) -> Par
     model = build_model(config.model, splits.num_classes, splits.in_channels, splits.image_size)
     notes = initial_weights(config, model)
     model = model.to(device)
-    if device.type == "cuda":
-        model = model.to(memory_format=torch.channels_last)
+    memory_format = layout_that_runs(model, splits, device)
     trained = model
     if world.active:
         trained = torch.nn.parallel.DistributedDataParallel(
@@ -105,7 +106,7 @@ def build_parts(config, splits: DataSplits, precision: Precision, device) -> Par
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, CosineSchedule(total_steps, warmup))
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing)
     return Parts(model, trained, optimizer, scheduler, grad_scaler(precision, device), criterion,
-                 sampler, loader, notes)
+                 sampler, loader, notes, memory_format)
 
 
 @dataclass
@@ -197,7 +198,7 @@ def train_step(parts: Parts, precision: Precision, device, grad_clip: float, ima
 
     images = images.to(device, non_blocking=True)
     labels = labels.to(device, non_blocking=True)
-    if device.type == "cuda":
+    if parts.memory_format == "channels_last":
         images = images.contiguous(memory_format=torch.channels_last)
     with autocast(precision, device):
         logits = parts.trained(images)
