@@ -282,14 +282,15 @@ def _training(report: dict) -> list[str]:
     if not training:
         return []
     lines = ["## Training", "", amp_sentence(training, report["models"]), "",
-             "| model | precision | device | epochs (why it stopped) | seconds | samples/s | "
-             "peak memory (MB) | checkpoint (MB) | model.pt (MB) | model.pt is | test accuracy | "
-             "skipped steps |",
+             "| model | precision | device (layout) | epochs (why it stopped) | seconds | "
+             "samples/s | peak memory (MB) | checkpoint (MB) | model.pt (MB) | model.pt is | "
+             "test accuracy | skipped steps |",
              "|" + "---|" * 12]
     for name, t in training.items():
         epochs = (f"{t['epochs_run']} ({t['stopped']})" if t.get("stopped")
                   else str(t.get("epochs_run") or t.get("epochs") or "-"))
-        lines.append(f"| `{name}` | {t['precision']} | {t['device']} | {epochs} | "
+        layout = f" ({t['memory_format']})" if t.get("memory_format") else ""
+        lines.append(f"| `{name}` | {t['precision']} | {t['device']}{layout} | {epochs} | "
                      f"{t['seconds']:.1f} | "
                      f"{t['samples_per_second']:.0f} | {_megabytes(t['peak_memory_bytes'])} | "
                      f"{t['checkpoint_bytes'] / 1e6:.2f} | {t['model_bytes'] / 1e6:.2f} | "

@@ -389,6 +389,7 @@ def test_report_markdown_says_what_it_chose_on_and_what_it_measured(tiny_run):
     assert "At batch " not in markdown_text  # one batch size: no other to speak of
     _every_row_has_its_latencies(data, markdown_text, ("32",))
     assert "master weights are fp32" in markdown_text
+    assert "| `amp` | bf16 | cpu (channels_last) | 2 (" in markdown_text  # its layout, said
     assert "rotated each round" in markdown_text
 
 
