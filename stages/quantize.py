@@ -37,23 +37,27 @@ def plan(run: Run, methods: tuple[str, ...]) -> list[str]:
             runtimes.VARIANTS[name].stage == "quantize"]
 
 
-def run(config, run: Run, qat_config=None) -> list[str]:
+def run(config, run: Run, qat_config=None, doing=lambda _: None) -> list[str]:
     """Make each variant config.methods asks for (all by default) from the run's float model;
     with config.auto, go on to quantization-aware training with ``qat_config`` (the qat stage's
     config; None: stop at post-training quantization) where no post-training configuration
     kept within the budget. The variants made, in order; one whose search kept nothing is
-    named too, and is not in the manifest."""
+    named too, and is not in the manifest. ``doing`` is told which variant is being made (a
+    crash costs that one: run_as_deployed)."""
     names = plan(run, config.methods)
     with context(run, config, "quantize", defer_compiles=True) as ctx:
         for name in names:
             say(f"quantize: {name} ...", quiet=config.quiet)
+            doing(MAKING + name)
             runtimes.VARIANTS[name].make(ctx)
             if name not in ctx.deferred and name not in ctx.refused:
                 _made(run, name, config.quiet)
         for name, check in ctx.deferred.items():
             say(f"quantize: {name}: compiling and checking ...", quiet=config.quiet)
+            doing(MAKING + name)
             check()
             _made(run, name, config.quiet)
+        doing(f"recording what quantize made in run {run.name}")
         run.record_config("quantize", run.recorded_config("quantize") | {
             "not_kept": ctx.refused})
     if config.auto and qat_config is not None:
@@ -62,30 +66,72 @@ def run(config, run: Run, qat_config=None) -> list[str]:
     return names
 
 
+MAKING = "making "
+CHILD = "stages.quantize:_run_in_child"  # a test swaps in a child whose variant crashes
+
+
 def run_as_deployed(config, target: Run, qat_config=None) -> list[str]:
-    """run(), in a process of its own where this one caps oneDNN for bf16 training (an AMX
-    CPU): quantize scores its candidates and times them for --auto, and the cap is not what a
-    deployment gets. In the 224x224 chain it made openvino-bf16's scoring 2x slower and
-    amp-compiled's 3 to 4x (AMX Xeon: 35 s against 16-17, 26 s against 6-8), and --auto
-    would rank candidates as no deployment runs them. A QAT in bf16, which --auto may go on
-    to, needs the cap, so stays here."""
+    """run(), its post-training part in a process of its own, for two reasons. A runtime's
+    native crash (a SIGSEGV in a kernel, an abort) while one variant is made or checked costs
+    that variant, not the stage: config.json's not_kept names it with the signal, and the
+    others are made again in a fresh process without it and what is made from it. And where
+    this process caps oneDNN for bf16 training (an AMX CPU), quantize scores and times its
+    candidates as a deployment runs them: in the 224x224 chain the cap made openvino-bf16's
+    scoring 2x slower and amp-compiled's 3 to 4x (AMX Xeon: 35 s against 16-17, 26 s against
+    6-8), and --auto would rank candidates as no deployment runs them. The QAT that --auto may
+    go on to runs here, as `pipeline qat` does (in bf16 it needs training's cap)."""
+    import copy
+
     from stages.run import isolated
 
-    bf16_qat = config.auto and qat_config is not None and qat_config.precision == "bf16"
-    if isolated.deployment_environment() == dict(os.environ) or bf16_qat:
-        return run(config, target, qat_config)
+    asked, crashed = copy.copy(config), {}
     try:
-        return isolated.call("stages.quantize:_run_in_child", config, target, qat_config)
-    except isolated.Crashed as crash:
-        raise PipelineError(f"quantize: its process died ({crash}); please report this with "
-                            "--debug output") from None
+        while True:
+            try:
+                made = isolated.call(CHILD, asked, target)
+                break
+            except isolated.Crashed as crash:
+                name = crash.doing.removeprefix(MAKING)
+                if not crash.doing.startswith(MAKING) or name in crashed:
+                    raise PipelineError(f"quantize: its process died ({crash}); please report "
+                                        "this with --debug output") from None
+                say(f"quantize: {name}: {crash}; making the others again without it",
+                    quiet=config.quiet)
+                planned = plan(target, asked.methods)
+                for lost in (m for m in planned if name in _sources(target, m)):
+                    crashed[lost] = (f"not made: its runtime crashed ({crash.signal_name}) "
+                                     "while it was made" if lost == name else
+                                     f"not made: it is made from {name}, whose runtime crashed")
+                asked.methods = tuple(m for m in planned if m not in crashed)
+                if not asked.methods:
+                    made = []
+                    break
     finally:
         isolated.release()  # the report measures in a fresh process, as when run alone
+    for name in crashed:  # what an earlier quantize made under the name is not this run's
+        target.unregister(name)
+    if crashed:
+        recorded = target.recorded_config("quantize")
+        target.record_config("quantize", recorded | {
+            "not_kept": recorded.get("not_kept", {}) | crashed})
+    made += [name for name in crashed if name not in made]
+    if config.auto and qat_config is not None:
+        made += escalate_to_qat(target, made, config.max_accuracy_drop, qat_config,
+                                quiet=config.quiet)
+    return made
 
 
-def _run_in_child(doing, config, target: Run, qat_config) -> list[str]:
-    doing(f"quantizing run {target.name}")  # what a crash's message names
-    return run(config, target, qat_config)
+def _sources(run: Run, name: str) -> list[str]:
+    """``name`` and what it is made from, to the float model."""
+    chain = [name]
+    while (source := source_of(run, chain[-1])) is not None:
+        chain.append(source)
+    return chain
+
+
+def _run_in_child(doing, config, target: Run) -> list[str]:
+    doing(f"quantizing run {target.name}")  # what a crash before any variant names
+    return run(config, target, None, doing)
 
 
 def escalate_to_qat(run: Run, made: list[str], budget_points: float, qat_config, *,

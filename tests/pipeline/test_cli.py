@@ -186,13 +186,10 @@ def test_a_qat_that_diverges_under_auto_leaves_the_post_training_variants_standi
     """Through the command, with a real quantize: only the verdict (a dynamic variant alone
     never misses it) and the QAT are stand-ins."""
     from stages import qat, quantize
-    from stages.run import isolated
     from stages.run.errors import Diverged
 
-    # quantize in this process, where the patches reach: on an AMX CPU conftest capped it for
-    # bf16 training, and quantize would run in a process of its own.
-    monkeypatch.delenv(isolated.CAPPED_FOR_TRAINING, raising=False)
-
+    # The QAT --auto goes on to runs in this process, where the patches reach (the
+    # post-training variants are made in a child).
     def diverges(config, run):
         raise Diverged("qat: the fake-quantized model diverged at epoch 1 step 3: ...")
 

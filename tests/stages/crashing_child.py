@@ -1,5 +1,6 @@
-"""What the report's measuring child runs in the crash test (tests/stages/test_report.py):
-the real child, with one variant's calls dying of a real SIGSEGV (a read of address 0)."""
+"""What the report's measuring child and quantize's child run in the crash tests
+(tests/stages/test_report.py, test_quantize.py): the real child, with one variant's calls dying
+of a real SIGSEGV (a read of address 0)."""
 import ctypes
 
 CRASHING = "ort-static"
@@ -19,3 +20,16 @@ def measure_crashing(doing, *args):
 
     runtimes.LOADERS["onnxruntime"] = crashing
     return worker.measure_in_child(doing, *args)
+
+
+def quantize_crashing(doing, config, target):
+    """quantize's child, with openvino-fp32's making dying of a real SIGSEGV: openvino-int8,
+    made from it, cannot be made either."""
+    import dataclasses
+
+    from stages import quantize, runtimes
+
+    variant = runtimes.VARIANTS["openvino-fp32"]
+    runtimes.VARIANTS["openvino-fp32"] = dataclasses.replace(
+        variant, make=lambda ctx: ctypes.string_at(0))
+    return quantize._run_in_child(doing, config, target)

@@ -435,3 +435,32 @@ def test_in_a_process_capped_for_training_quantize_runs_without_the_cap(tiny_run
     monkeypatch.delenv(isolated.CAPPED_FOR_TRAINING)  # a cap of the user's own: kept
     quantize.run_as_deployed(QuantizeConfig(methods="ort-dynamic", quiet=True), run)
     assert run.recorded_config("quantize")["onednn_max_cpu_isa"] == "AVX512_CORE_BF16"
+
+
+def test_a_runtime_that_crashes_while_its_variant_is_made_costs_that_variant(fresh_tiny_run,
+                                                                             monkeypatch):
+    """openvino-fp32's making dies of a real SIGSEGV in quantize's process: the stage
+    completes, ort-dynamic is made, openvino-fp32 and openvino-int8 (made from it) are not,
+    and config.json says why; the openvino-fp32 an earlier quantize made is dropped, since
+    the crashed child may have written over its file."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    run = fresh_tiny_run
+    quantize.run(QuantizeConfig(methods="openvino-fp32", quiet=True), run)
+    assert "openvino-fp32" in run.artifacts()
+    monkeypatch.setattr(quantize, "CHILD", "tests.stages.crashing_child:quantize_crashing")
+    result = CliRunner().invoke(cli, ["--artifacts-dir", str(run.artifacts_dir), "--run",
+                                      run.name, "quantize", "--methods",
+                                      "ort-dynamic,openvino-fp32,openvino-int8"])
+    assert result.exit_code == 0, result.output
+    assert ("quantize: openvino-fp32: SIGSEGV while making openvino-fp32; making the others "
+            "again without it") in result.output
+    made = run.artifacts()
+    assert "ort-dynamic" in made and not {"openvino-fp32", "openvino-int8"} & set(made)
+    not_kept = run.recorded_config("quantize")["not_kept"]
+    assert not_kept["openvino-fp32"].startswith("not made: its runtime crashed (SIGSEGV)")
+    assert not_kept["openvino-int8"] == ("not made: it is made from openvino-fp32, whose "
+                                         "runtime crashed")
+    assert run.manifest()["stages"]["quantize"]["status"] == "complete"
