@@ -9,8 +9,6 @@ configuration keeps within the accuracy budget, it goes on to quantization-aware
 """
 from __future__ import annotations
 
-import os
-
 from stages import runtimes
 from stages.run.artifacts import Run
 from stages.run.errors import PipelineError, UsageError
