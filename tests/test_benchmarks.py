@@ -25,6 +25,10 @@ def test_the_cheap_benchmarks_run_on_a_tiny_model(cheap_run):
     assert "samples/s" in out and "the bare loop" in out
     out = _script("benchmarks/lr_range.py", "--models", "smallcnn", "--steps", "20")
     assert "| smallcnn |" in out
+    out = _script("benchmarks/memory_format.py", "--models", "smallcnn", "--sizes", "8",
+                  "--batch", "8", "--serve-batches", "2", "--steps", "1")
+    assert "| smallcnn | 8 | train step | 8 |" in out
+    assert "| smallcnn | 8 | eager forward | 2 |" in out
     out = _script("benchmarks/predict_speed.py", "--artifacts-dir",
                   str(cheap_run.artifacts_dir), "--run", cheap_run.name, "--images", "64")
     assert "predict reaches" in out

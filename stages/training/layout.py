@@ -2,11 +2,12 @@
 the CPU as on CUDA.
 
 oneDNN's CPU convolutions work in NHWC; fed NCHW, they reorder every activation and gradient
-on each call. One training step at batch 64 and 32x32, NCHW against channels_last (AMX Xeon,
-2 cores, oneDNN capped as bf16 training caps it; docs/measurements.md): mobilenet_v2 fp32 148
-against 77 ms, bf16 203 against 149; efficientnet_b0 fp32 332 against 132; mnasnet0_5 151
-against 53; mobilenet_v3_large 207 against 91; resnet18 104 against 103. At 224x224 resnet18
-fp32 took 3.57 against 2.81 s. Under --time the steps saved are epochs gained.
+on each call. One training step at batch 64 and 32x32, NCHW against channels_last
+(benchmarks/memory_format.py on the AMX Xeon, oneDNN capped as bf16 training caps it;
+docs/measurements.md): mobilenet_v2 fp32 161 against 81 ms, bf16 224 against 161;
+efficientnet_b0 fp32 330 against 144; mnasnet0_5 145 against 55; mobilenet_v3_large 207
+against 97; resnet18 116 against 109. At 224x224 resnet18 fp32 took 3.86 against 3.27 s.
+Under --time the steps saved are epochs gained.
 """
 from __future__ import annotations
 
