@@ -69,7 +69,8 @@ def _save_torch(run: Run, name: str, folder: Path) -> dict:
     program = torch.export.export(how.load(run), (example,), strict=False, dynamic_shapes=(
         {0: torch.export.Dim("batch", min=1)},))
     torch.export.save(program, str(folder / "model.pt2"))
-    return {"compile": how.compiled, "autocast": how.autocast}
+    return {"compile": how.compiled, "autocast": how.autocast,
+            "channels_last": how.channels_last}
 
 
 def _environment(run: Run, name: str) -> dict:

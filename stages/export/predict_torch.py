@@ -36,6 +36,8 @@ if __name__ == "__main__":
     import torch._inductor.lowering  # noqa: F401  registers PyTorch's quantized_decomposed ops
 
     model = torch.export.load(str(HERE / "model.pt2")).module()
+    if serving.get("channels_last"):  # the layout it trained and was timed in
+        model = model.to(memory_format=torch.channels_last)
     if serving.get("compile"):
         torch._inductor.config.freezing = True  # weights as constants: oneDNN's int8 kernels
         # Compiled as pipeline times it (stages/runtimes/inductor.py: COMPILE_OPTIONS).

@@ -36,8 +36,7 @@ from stages.runtimes import (
 
 
 def load_float_module(run, name: str):
-    """A trained (or imported) model as an eager fp32 module, from its verified weights-only
-    file."""
+    """A trained (or imported) model as an eager fp32 module, from its verified file."""
     data = load_checkpoint(run.verified_path(name))
     if not isinstance(data, dict) or "state_dict" not in data or "model_spec" not in data:
         raise PipelineError(f"{name}: {run.verified_path(name)} is not a pipeline model file")
@@ -273,7 +272,6 @@ def make_static(ctx) -> dict:
         "calibration_split": "train"})
 
 
-
 # ---------------------------------------------------------------- serving
 
 
@@ -304,6 +302,8 @@ class Serving:
     graph: bool  # a PT2E int8 graph (runtimes/pt2e.py); else a float module
     compiled: bool  # under torch.compile
     autocast: str | None  # "bf16" or "fp16": amp, served in its training precision
+    # As it trained (training/layout.py): 2.1x faster under bf16 autocast at 224 (measurements.md)
+    channels_last: bool = False
 
     def load(self, run):
         """The module as its verified file holds it: eager, on the CPU, not yet wrapped."""
@@ -338,9 +338,10 @@ class Serving:
         if self.compiled:
             return (f"torch.compile (Inductor{', freezing' if not on else ''}){on}, "
                     + (f"{self.autocast} autocast" if self.autocast else "fp32"))
+        layout = ", channels_last" if self.channels_last and not on else ""
         if self.autocast:
-            return f"eager PyTorch{on} under {self.autocast} autocast, as trained"
-        return f"eager PyTorch{on}, fp32"
+            return f"eager PyTorch{on} under {self.autocast} autocast{layout}, as trained"
+        return f"eager PyTorch{on}, fp32{layout}"
 
 
 def serving(run, name: str) -> Serving:
@@ -352,9 +353,11 @@ def serving(run, name: str) -> Serving:
     if name == "amp-compiled":
         return Serving(entry["parent"], graph=False, compiled=True, autocast="bf16")
     if name in FLOAT_MODELS:
-        precision = (entry.get("training") or {}).get("precision", "fp32")
+        training = entry.get("training") or {}
+        precision = training.get("precision", "fp32")
         autocast = precision if name == "amp" and precision in ("bf16", "fp16") else None
-        return Serving(name, graph=False, compiled=False, autocast=autocast)
+        return Serving(name, graph=False, compiled=False, autocast=autocast,
+                       channels_last=training.get("memory_format") == "channels_last")
     return Serving(name, graph=True, compiled=True, autocast=None)
 
 
@@ -371,7 +374,7 @@ def serve(run, name: str, device: str = "cpu"):
                                        lambda: how.compiled_module(run))
     else:
         model = (how.compiled_module(run) if how.compiled else how.load(run)).to(device)
-        if device == "cuda":  # as training runs on a GPU, and cuDNN's tensor cores want NHWC
+        if device == "cuda" or how.channels_last:  # as training ran; cuDNN wants NHWC too
             model = model.to(memory_format=torch.channels_last)
         if how.compiled:
             model = torch.compile(model, dynamic=False)

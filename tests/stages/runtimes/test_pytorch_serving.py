@@ -30,12 +30,20 @@ def test_each_variant_is_served_as_its_entry_says():
     # training record: eager fp32, no autocast.
     for training in ({"precision": "fp32"}, None):
         assert serving(_Entries({"amp": {"training": training}}), "amp").autocast is None
+    # Served in the layout it trained in; NCHW where the record does not say channels_last.
+    trained = {"precision": "bf16", "memory_format": "channels_last"}
+    assert serving(_Entries({"amp": {"training": trained}}), "amp").channels_last
+    assert not serving(_Entries({"amp": {"training": trained | {"memory_format": "NCHW"}}}),
+                       "amp").channels_last
+    assert not serving(run, "amp").channels_last
 
 
 def test_the_words_say_how_it_runs_on_each_device():
     amp = Serving("amp", graph=False, compiled=False, autocast="bf16")
     assert amp.words("cpu") == "eager PyTorch under bf16 autocast, as trained"
     assert amp.words("cuda") == "eager PyTorch on CUDA under bf16 autocast, as trained"
+    assert Serving("fp32", False, False, None, channels_last=True).words("cpu") == \
+        "eager PyTorch, fp32, channels_last"
     compiled = Serving("amp", graph=False, compiled=True, autocast=None)
     assert compiled.words("cpu") == "torch.compile (Inductor, freezing), fp32"
     assert compiled.words("cuda") == "torch.compile (Inductor) on CUDA, fp32"
@@ -52,6 +60,8 @@ def test_amp_is_served_under_autocast_in_its_training_precision(tiny_run):
     assert how.autocast == "bf16"
     seen = []
     first = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+    last = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)][-1]  # channels > 1
+    assert how.channels_last and last.weight.is_contiguous(memory_format=torch.channels_last)
     handle = first.register_forward_hook(lambda module, args, output: seen.append(output.dtype))
     spec = run.entry("amp")["model_spec"]
     images = torch.rand(4, spec["in_channels"], spec["image_size"], spec["image_size"])
@@ -70,7 +80,7 @@ def test_amp_is_served_under_autocast_in_its_training_precision(tiny_run):
 
 def test_an_export_records_how_the_variant_is_served(tiny_run, tmp_path):
     """predict.py in an exported folder serves the model as the manifest says: amp under its
-    bf16 autocast, not compiled, as the report measured it."""
+    bf16 autocast, not compiled, channels_last as it trained: as the report measured it."""
     import json
 
     from pipeline.config import ExportConfig
@@ -79,4 +89,5 @@ def test_an_export_records_how_the_variant_is_served(tiny_run, tmp_path):
     run = tiny_run["run"]
     out = export.run(ExportConfig(out_dir=str(tmp_path / "amp"), variant="amp", quiet=True), run)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["serving"] == {"runtime": "pytorch", "compile": False, "autocast": "bf16"}
+    assert manifest["serving"] == {"runtime": "pytorch", "compile": False, "autocast": "bf16",
+                                   "channels_last": True}
