@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from stages.data.subsets import (
 from stages.measure.evaluate import accuracy
 from stages.run.artifacts import Run
 from stages.run.errors import PipelineError
+from stages.run.files import remove_stale_temporaries
 from stages.run.progress import say
 from stages.run.trained import float_source
 
@@ -202,6 +204,7 @@ def context(run: Run, config, stage: str, **options) -> Iterator[QuantContext]:
     source = float_source(run)
     folder = run.root / "quantize"
     folder.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(folder)
     splits = splits_of_run(run)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".scratch-") as scratch:
         spec = run.entry(source)["model_spec"]
@@ -217,3 +220,12 @@ def context(run: Run, config, stage: str, **options) -> Iterator[QuantContext]:
                                                    os.environ.get("ONEDNN_MAX_CPU_ISA",
                                                                   "not capped")})
         yield ctx
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """What a process killed mid-stage left in quantize/ (a quantize child that a runtime
+    crashed, a SIGKILL): temporary files and scratch folders, never a file under a real name.
+    One process holds the run's lock, so none of them is in use."""
+    remove_stale_temporaries(folder)
+    for scratch in folder.glob(".scratch-*"):
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -464,3 +464,5 @@ def test_a_runtime_that_crashes_while_its_variant_is_made_costs_that_variant(fre
     assert not_kept["openvino-int8"] == ("not made: it is made from openvino-fp32, whose "
                                          "runtime crashed")
     assert run.manifest()["stages"]["quantize"]["status"] == "complete"
+    # The crashed child's scratch folder and temporary files are gone.
+    assert not list((run.root / "quantize").glob(".*"))
