@@ -144,14 +144,17 @@ def training_curves(histories: dict[str, list[dict]], path: Path) -> None:
         line = loss_ax.plot(epochs, [h["loss"] for h in history], marker="o", label=name)[0]
         acc_ax.plot(epochs, [h["val_accuracy"] for h in history], marker="o",
                     color=line.get_color(), label=f"{name} validation")
-        acc_ax.plot(epochs, [h["train_accuracy"] for h in history], linestyle=":",
-                    color=line.get_color(), label=f"{name} training")
+        acc_ax.plot(epochs, [h["train_accuracy"] for h in history], linestyle=":", marker="x",
+                    color=line.get_color(), label=f"{name} training")  # one epoch: a point
     loss_ax.set(title="training loss", xlabel="epoch", yscale="log")
     acc_ax.set(title="accuracy", xlabel="epoch")
     from matplotlib.ticker import MaxNLocator
 
+    seen = [h["epoch"] for history in histories.values() for h in history]
     for ax in (loss_ax, acc_ax):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # whole epochs
+        if seen:  # half an epoch either side: one epoch alone was ticked 0.945 to 1.05
+            ax.set_xlim(min(seen) - 0.5, max(seen) + 0.5)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

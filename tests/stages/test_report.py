@@ -437,6 +437,20 @@ def test_a_fast_variant_beyond_the_accuracy_budget_is_not_drawn_as_a_win():
     assert beyond == {"edgecolor": "tab:green", "facecolor": "white", "hatch": "///"}
 
 
+def test_one_epoch_of_training_is_drawn_at_epoch_1_with_both_accuracies(tmp_path, monkeypatch):
+    """A one-epoch run (the 224x224 chain) was ticked 0.945 to 1.05, and its training
+    accuracy, a dotted line through one point, was not drawn at all."""
+    drawn = {}
+    monkeypatch.setattr(plots, "_save", lambda plt, fig, path: drawn.update(fig=fig))
+    plots.training_curves({"amp": [{"epoch": 1, "loss": 1.97, "val_accuracy": 0.60,
+                                    "train_accuracy": 0.35}]}, tmp_path / "curves.png")
+    loss_ax, acc_ax = drawn["fig"].axes
+    for ax in (loss_ax, acc_ax):
+        assert [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]] == [1]
+    training = next(line for line in acc_ax.lines if line.get_label() == "amp training")
+    assert training.get_marker() not in ("None", "", None)
+
+
 def test_the_pareto_front_keeps_what_nothing_beats_on_both_counts():
     points = [(44.0, 10.0, "fp32"), (44.0, 5.0, "onnx-fp32"), (11.0, 6.0, "ort-static"),
               (11.0, 4.0, "openvino-int8"), (12.0, 9.0, "torch-dynamic")]
