@@ -97,7 +97,8 @@ def _cap_isa_before_any_kernel(processors: list[Processor], precision: str | Non
             precision = run.recorded_config("train").get("resolved_precision", precision)
     capped = cap_isa_for_bf16_training(precision, device)
     if capped:
-        click.echo(f"bf16 training on a CPU with AMX: oneDNN capped at {capped} in this "
+        click.echo(f"bf16 training (or, under --precision auto, timing it against fp32) on a "
+                   f"CPU with AMX: oneDNN capped at {capped} in this "
                    "process (AMX bf16 kernels of this torch give wrong results); quantize and "
                    "the report run in a process of their own, without the cap", err=True)
 

@@ -45,12 +45,12 @@ from stages.training.loop import Hooks, Loop, Seen, build_parts, fit
 from stages.training.memory import PeakMemory, peak_memory_in_fresh_process
 from stages.training.precision import (
     Precision,
-    auto_precision_note,
     cap_isa_for_bf16_training,
     resolve_device,
     resolve_precision,
     set_deterministic,
 )
+from stages.training.step_speed import choose_precision
 
 
 @dataclass
@@ -179,8 +179,7 @@ def _end_epoch(model: Model, budget: float | None, epoch: int, record: dict,
     totals.stopped = plans.planned_end(loop, epoch, budget)
     record |= {"lr": loop.parts.scheduler.get_last_lr()[0], "seconds": totals.seconds,
                "samples_per_second": totals.samples / totals.seconds,
-               "skipped_steps": totals.skipped,
-               "skipped_images": model.splits.skipped_images}
+               "skipped_steps": totals.skipped, "skipped_images": model.splits.skipped_images}
     patience = config.patience
     if patience and not totals.stopped and epoch - totals.best_epoch >= patience:
         totals.stopped = (f"plateau: validation accuracy did not improve for {patience} "
@@ -338,18 +337,19 @@ def _set_up(config, run: Run, resume: bool) -> tuple:
     precision = Precision(saved["resolved_precision"]) if "resolved_precision" in saved \
         else resolve_precision(config.precision, device)
     cap_isa_for_bf16_training(precision.name, device.type)
-    note = auto_precision_note(precision, config.precision, device)
-    if note:
-        say(note, quiet=config.quiet or not world.is_main)
     classes, channels, held = expected_shape(config)
     check_model_fits(config.model, classes, channels, config.image_size, config.batch_size,
                      device, held)
     splits = load_splits(config)
+    chosen_by = saved.get("precision_chosen_by", "")
+    if not saved:  # a resume keeps its precision, and why
+        precision, chosen_by = choose_precision(config, splits, precision, device)
     lr, found_by = lr_range.peak_lr(config, splits, precision, device, run, saved)
     if world.is_main:
         run.record_config("train", asdict(config) | {
-            "resolved_precision": precision.name, "resolved_device": str(device),
-            "world_size": world.world_size, "resolved_lr": lr, "lr_found_by": found_by})
+            "resolved_precision": precision.name, "precision_chosen_by": chosen_by,
+            "resolved_device": str(device), "world_size": world.world_size, "resolved_lr": lr,
+            "lr_found_by": found_by})
         record_preprocessing(run, splits, config.dataset, "train")
     return device, precision, splits, replace(config, lr=lr)
 

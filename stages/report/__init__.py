@@ -45,6 +45,9 @@ def training_rows(run: Run) -> dict:
         if entry and entry.get("training"):
             rows[name] = {**entry["training"], "checkpoint_bytes": entry["checkpoint_bytes"],
                           "model_bytes": entry["bytes"], "chosen": entry.get("chosen")}
+    if "amp" in rows:  # how --precision auto chose (train/step_speed.py)
+        rows["amp"]["precision_chosen_by"] = run.recorded_config("train").get(
+            "precision_chosen_by", "")
     return rows
 
 

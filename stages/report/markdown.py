@@ -256,8 +256,10 @@ def amp_sentence(training: dict, rows: list[dict]) -> str:
     fp32, amp = training["fp32"], training["amp"]
     smallest = min(rows, key=lambda r: r["size_bytes"])
     if fp32.get("same_run_as") == "amp":
-        return (f"`amp` trained in fp32 here (autocast resolved to fp32: a CPU without bf16 "
-                f"instructions, or --precision fp32), so it is the fp32 baseline's computation "
+        measured = amp.get("precision_chosen_by", "").partition("auto, measured: ")[2]
+        why = (f"--precision auto measured {measured}" if measured else
+               "autocast resolved to fp32: a CPU without bf16 instructions, or --precision fp32")
+        return (f"`amp` trained in fp32 here ({why}), so it is the fp32 baseline's computation "
                 f"and was trained once; `fp32` is a copy of it. Its master weights are fp32 "
                 f"either way ({amp['model_bytes'] / 1e6:.2f} MB); quantization is what shrinks "
                 f"the model (`{smallest['name']}`: "

@@ -109,6 +109,16 @@ def build_parts(config, splits: DataSplits, precision: Precision, device) -> Par
                  sampler, loader, notes, memory_format)
 
 
+def endless_batches(parts: Parts):
+    """Training batches, epoch after epoch, for as long as a probe takes (the range test, the
+    precision's step timing)."""
+    epoch = 0
+    while True:
+        epoch += 1
+        parts.sampler.set_epoch(epoch)
+        yield from parts.loader
+
+
 @dataclass
 class Seen:
     """The steps since the sums were last read, as the host sees them, summed over ranks."""

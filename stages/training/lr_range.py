@@ -39,7 +39,7 @@ from stages.run.errors import PipelineError
 from stages.run.files import atomic_write_text
 from stages.run.progress import say
 from stages.training import distributed
-from stages.training.loop import DeviceSums, build_parts, train_step
+from stages.training.loop import DeviceSums, build_parts, endless_batches, train_step
 
 # 50 steps a decade: at 25 the loss of mobilenet_v2 on notMNIST had not fallen by the time it
 # blew up. Starting at 1e-3 rather than 1e-4 moved the minima found 9 to 25% lower and
@@ -186,7 +186,7 @@ def validation_probe(config, splits, precision, device, lr: float, steps: int = 
     images = torch.utils.data.Subset(splits.val, order[:PROBE_IMAGES].tolist())
     before, labels = _image_losses(parts.model, images, device)
     parts.trained.train()
-    for step, (batch, targets) in zip(range(steps), _batches(parts)):
+    for step, (batch, targets) in zip(range(steps), endless_batches(parts)):
         train_step(parts, precision, device, probe.grad_clip, batch, targets,
                    DeviceSums(device), step)
     after, _ = _image_losses(parts.model, images, device)
@@ -232,7 +232,7 @@ def range_test(config, splits, precision, device, steps: int = MAX_STEPS) -> dic
     if not len(parts.loader):
         raise PipelineError("--lr auto: the training split holds no batch to test on")
     lrs, losses, average, lowest = [], [], 0.0, math.inf
-    for images, labels in _batches(parts):
+    for images, labels in endless_batches(parts):
         if len(lrs) >= steps:
             break
         lr = parts.optimizer.param_groups[0]["lr"]
@@ -251,15 +251,6 @@ def range_test(config, splits, precision, device, steps: int = MAX_STEPS) -> dic
             break
     return {"lrs": lrs, "losses": losses, "steps": len(lrs), "start_lr": START_LR,
             "end_lr": END_LR} | choose(lrs, losses)
-
-
-def _batches(parts):
-    """Training batches, epoch after epoch, for as long as the test takes."""
-    epoch = 0
-    while True:
-        epoch += 1
-        parts.sampler.set_epoch(epoch)
-        yield from parts.loader
 
 
 def choose(lrs: list[float], losses: list[float]) -> dict:
