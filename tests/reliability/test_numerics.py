@@ -30,7 +30,8 @@ def test_a_nan_loss_stops_with_epoch_and_step_and_keeps_checkpoints(tmp_path, mo
     _loss_that(monkeypatch, lambda n, loss: loss * float("nan") if n == 21 + 3 else loss)
     with pytest.raises(PipelineError, match="loss became NaN or infinite at epoch 2 step 3.*"
                                             "lower --lr"):
-        train.run(TrainConfig(**TINY_TRAIN | {"baseline": False}), run)
+        # fp32: auto on a CPU with bf16 instructions would time steps first, counted above
+        train.run(TrainConfig(**TINY_TRAIN | {"baseline": False, "precision": "fp32"}), run)
     listed = run.artifacts()
     assert "amp" not in listed and "amp/checkpoint-step0000021" in listed
     assert run.verified_path("amp/checkpoint-step0000021")  # the last good one is intact
