@@ -326,6 +326,8 @@ def _lr_sentence(report: dict) -> str:
     if not curve and found.get("found_by", "").startswith(rule):  # why, in the parentheses
         return (f" Peak learning rate {found['value']:.3g}, by Goyal et al.'s linear-scaling "
                 f"rule (0.1 per 256 images a step): {found['found_by'][len(rule):-1]}.")
+    if not curve and found.get("found_by", "").startswith("rates probed ("):  # lr_range.PROBED
+        return f" Peak learning rate {found['value']:.3g}, the best of the {found['found_by']}."
     if not curve:
         return f" Peak learning rate {found['value']:g}, as --lr gave it."
     capped = found.get("found_by") == "range test" and curve.get("capped")

@@ -15,10 +15,11 @@ A network that learns slowly from chance (efficientnet_b0 on notMNIST, its class
 PyTorch's default scale) may not move its loss in MAX_STEPS steps of one each per learning rate:
 where the loss never fell, the test runs once more over LONG_STEPS, each learning rate held
 three times as long. Where that one cannot be read either (mobilenet_v2 on photos10: 2.33 to
-2.31 in 150 steps, 2.32 to 2.23 in 450; docs/measurements.md), the peak is Goyal et
-al.'s linear-scaling rule, once PROBE_STEPS steps at it have brought the validation loss below
-that of guessing the classes' shares, beyond noise: a network that can learn does, and labels
-that do not belong to the images (shuffled) cannot, which is refused as such.
+2.31 in 150 steps, 2.32 to 2.23 in 450; docs/measurements.md), PROBE_STEPS steps at Goyal et
+al.'s linear-scaling rule and at quarters of it, each from the same weights, pick the rate with
+the lowest validation loss, once that loss is below guessing the classes' shares beyond noise:
+a network that can learn gets there, and labels that do not belong to the images (shuffled)
+cannot, which is refused as such.
 
 The steepest descent is recorded and plotted, not chosen: on networks whose loss falls at any
 learning rate at first (a poor initial scale, or easy early progress), it sits at the test's
@@ -68,6 +69,13 @@ SKIPPED_START = 5  # the first steps' smoothed loss stands on too few batches to
 PROBE_STEPS = LONG_STEPS  # as long as the longer test: a slow starter gets its time
 # mobilenet_v2 on photos10 in fp32: 2.3026 to 2.2338 in 450 steps, within noise (2.1152 in bf16)
 PROBE_ROUNDS = 3
+# Where no range test can be read, the rule's rate is not always one a network trains at:
+# mobilenet_v2 on photos10 in fp32, after 450 steps from the same weights, scored a validation
+# loss of 2.2338 at 0.025 (its training at that peak rose above chance and stopped on a plateau
+# at 29%), 1.8061 at 0.00625 and 1.8495 at 0.00156.
+RATE_STEP = 4
+CANDIDATES = 3
+PROBED = "rates probed ("
 PROBE_IMAGES = 2000  # validation images the probe scores before and after its steps
 NOISE_SE = 2.0  # the validation loss must fall by this many standard errors of its change
 LEAST_FALL = 0.05  # the loss must fall by this share of its start for a choice to exist
@@ -94,8 +102,8 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> tuple[float,
     under the precision and batch size training will use, once per run (a resume reads both
     back from ``saved``, the recorded train config), or, where the test's steps are more than
     twice training's (`planned_steps`), the linear-scaling rule; where no test can be read,
-    the rule once the data is shown to be learnable (`learnable_at_rule`). The curve is kept
-    in the run (train/lr-range.json) for the report."""
+    the best of the rates probed once the data is shown to be learnable (`probed_rate`). The
+    curve is kept in the run (train/lr-range.json) for the report."""
     if config.lr != "auto":
         return config.lr, "--lr"
     if "resolved_lr" in saved:
@@ -124,7 +132,7 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> tuple[float,
         try:
             curve = range_test(config, splits, precision, device, LONG_STEPS)
         except NeverFell as again:
-            return learnable_at_rule(config, splits, precision, device, again)
+            return probed_rate(config, splits, precision, device, again)
     world = distributed.current()
     curve["ceiling"] = CEILING_PER_256 * batch / 256
     curve["uncapped"], curve["capped"] = curve["chosen"], curve["chosen"] > curve["ceiling"]
@@ -141,42 +149,69 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> tuple[float,
     return curve["chosen"], RANGE_TEST
 
 
-def learnable_at_rule(config, splits, precision, device, never: NeverFell) -> tuple[float, str]:
-    """(the linear-scaling rule's peak, why) where steps at it, from the same initial weights,
-    bring the validation loss below that of guessing the classes' shares, beyond noise;
-    NothingLearned where they do not. A fall within noise earns another PROBE_STEPS, up to
-    PROBE_ROUNDS in all: a slow starter gets there, shuffled labels do not. Rank 0's verdict
-    holds on every rank, round by round."""
-    lr = RULE_PER_256 * config.batch_size * distributed.current().world_size / 256
-    say(f"--lr auto: no range test could be read ({never.detail}); up to {PROBE_ROUNDS} x "
-        f"{PROBE_STEPS} steps at the linear-scaling rule's {lr:.3g} decide whether the data can "
-        "be learned ...", quiet=config.quiet)
-    for rounds, (before, after, guessing) in enumerate(
-            validation_probe(config, splits, precision, device, lr), 1):
+def probed_rate(config, splits, precision, device, never: NeverFell) -> tuple[float, str]:
+    """(the peak, why) where no range test could be read: of the linear-scaling rule's rate and
+    quarters of it (down while a quarter does better, CANDIDATES at most), each trained
+    PROBE_STEPS from the same initial weights, the one with the lowest validation loss, once
+    it beats guessing the classes' shares beyond noise; NothingLearned where it does not. A
+    fall within noise earns another PROBE_STEPS, up to PROBE_ROUNDS in all: a slow starter
+    gets there, shuffled labels do not. Rank 0's choices hold on every rank."""
+    rule = RULE_PER_256 * config.batch_size * distributed.current().world_size / 256
+    say(f"--lr auto: no range test could be read ({never.detail}); {PROBE_STEPS} steps at the "
+        f"linear-scaling rule's {rule:.3g} and at quarters of it decide the peak, and whether "
+        "the data can be learned ...", quiet=config.quiet)
+    rates, probes, results = [], {}, {}
+    for k in range(CANDIDATES):
+        rates.append(rule / RATE_STEP ** k)
+        probes[rates[-1]] = validation_probe(config, splits, precision, device, rates[-1])
+        results[rates[-1]] = next(probes[rates[-1]])
+        lower_did_better = k == 0 or _mean_loss(results[rates[-1]]) < _mean_loss(
+            results[rates[-2]])
+        if not distributed.broadcast(lower_did_better):
+            break
+    lr = distributed.broadcast(min(rates, key=lambda rate: _mean_loss(results[rate])))
+    for other in set(rates) - {lr}:
+        probes[other].close()
+    tried = ", ".join(f"{rate:.3g}: {_mean_loss(results[rate]):.4f}" for rate in rates)
+    before, after, guessing = results[lr]
+    for rounds in range(1, PROBE_ROUNDS + 1):
+        if rounds > 1:
+            before, after, guessing = next(probes[lr])
         if not all(map(math.isfinite, after)):
             raise PipelineError(f"--lr auto: no range test could be read ({never.detail}), and "
-                                f"the linear-scaling rule's {lr:.3g} made the loss diverge; "
-                                "give a lower --lr yourself")
+                                f"every rate from the linear-scaling rule's {rule:.3g} down made "
+                                "the loss diverge; give a lower --lr yourself")
         gain = [g - a for g, a in zip(guessing, after)]
         spread = statistics.stdev(gain) if len(gain) > 1 else 0.0
-        mean = statistics.fmean(gain)
-        learned = mean > NOISE_SE * spread / math.sqrt(len(gain))
-        steps = rounds * PROBE_STEPS
+        learned = statistics.fmean(gain) > NOISE_SE * spread / math.sqrt(len(gain))
         losses = (f"the validation loss went from {statistics.fmean(before):.4f} to "
-                  f"{statistics.fmean(after):.4f} over {len(gain)} images in {steps} steps, "
-                  f"where guessing the classes' shares scores {statistics.fmean(guessing):.4f}")
-        learned, losses, settled = distributed.broadcast((learned, losses, learned or mean <= 0))
-        if settled or rounds == PROBE_ROUNDS:
+                  f"{statistics.fmean(after):.4f} over {len(gain)} images in "
+                  f"{rounds * PROBE_STEPS} steps, where guessing the classes' shares scores "
+                  f"{statistics.fmean(guessing):.4f}")
+        settled = learned or statistics.fmean(gain) <= 0
+        learned, losses, settled = distributed.broadcast((learned, losses, settled))
+        if settled:
             break
+    probes[lr].close()
     if not learned:
         raise NothingLearned(
             f"--lr auto: nothing was learned: the training loss never fell in the range tests "
-            f"({never.detail}), and steps at {lr:.3g} (0.1 per 256 images a step) did not beat "
-            f"guessing beyond noise ({losses}); check that the labels belong to the images "
-            "(shuffled labels look like this), or give --lr yourself")
-    say(f"--lr auto: {lr:.3g}, by the linear-scaling rule ({losses})", quiet=config.quiet)
-    return lr, (f"linear-scaling rule (0.1 per 256 images a step; the range tests' loss fell "
-                f"too little to read ({never.detail}), and steps at it learned: {losses})")
+            f"({never.detail}), and steps at {lr:.3g} (the best of the linear-scaling rule's "
+            f"{rule:.3g} and quarters of it) did not beat guessing beyond noise ({losses}); check "
+            "that the labels belong to the images (shuffled labels look like this), or give "
+            "--lr yourself")
+    say(f"--lr auto: {lr:.3g} (validation loss after {PROBE_STEPS} steps at each rate: {tried}; "
+        f"{losses})", quiet=config.quiet)
+    return lr, (f"{PROBED}the linear-scaling rule's {rule:.3g}, 0.1 per 256 images a step, and "
+                f"quarters of it, {PROBE_STEPS} steps each from the same weights, as the range "
+                f"tests' loss fell too little to read ({never.detail})): validation loss at "
+                f"each {tried}; at {lr:.3g}, {losses}")
+
+
+def _mean_loss(probed: tuple) -> float:
+    """A probe's mean validation loss; infinite where it diverged."""
+    after = probed[1]
+    return statistics.fmean(after) if all(map(math.isfinite, after)) else math.inf
 
 
 def validation_probe(config, splits, precision, device, lr: float, steps: int = PROBE_STEPS):
