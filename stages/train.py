@@ -173,15 +173,16 @@ def _score(model: Model) -> float:
 
 def _end_epoch(model: Model, budget: float | None, epoch: int, record: dict,
                improved: bool) -> None:
-    """Plan the epochs left, stop on a plateau, write metrics.jsonl and the epoch's
-    checkpoint, and say how the epoch went."""
+    """Plan the epochs left, stop on a plateau, write metrics and checkpoint, say how it went."""
     loop, config, totals = model.loop, model.config, model.loop.totals
     totals.stopped = plans.planned_end(loop, epoch, budget)
     record |= {"lr": loop.parts.scheduler.get_last_lr()[0], "seconds": totals.seconds,
                "samples_per_second": totals.samples / totals.seconds,
                "skipped_steps": totals.skipped, "skipped_images": model.splits.skipped_images}
-    patience = config.patience
-    if patience and not totals.stopped and epoch - totals.best_epoch >= patience:
+    # Never within the plan's last --patience epochs, the cosine's lowest rates: mobilenet_v2 on
+    # photos10 stopped at epoch 18 of 20, its validation accuracy within noise of its best.
+    patience, left = config.patience, loop.planned_epochs - epoch
+    if patience < left and not totals.stopped and epoch - totals.best_epoch >= patience:
         totals.stopped = (f"plateau: validation accuracy did not improve for {patience} "
                           f"epochs after epoch {totals.best_epoch}")
     is_main = distributed.current().is_main

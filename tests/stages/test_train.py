@@ -60,6 +60,17 @@ def test_outputs_of_a_training_run(tiny_run):
     assert run.entry("fp32")["bytes"] == run.entry("amp")["bytes"]
 
 
+def test_no_plateau_stop_within_the_last_patience_epochs_of_the_plan(tmp_path, monkeypatch):
+    """Best at epoch 3 of 6, then two worse: with --patience 2 the plateau falls at epoch 5,
+    with one epoch left, the schedule's lowest rates: training goes on and epoch 6 is kept."""
+    run = artifacts.create_run(tmp_path, "last")
+    _validation_scores(monkeypatch, [0.5, 0.6, 0.9, 0.8, 0.8, 0.95])
+    (result,) = train.run(TrainConfig(**TINY_TRAIN | {"epochs": 6, "patience": 2,
+                                                       "baseline": False}), run)
+    assert (result.epochs_run, result.best_epoch) == (6, 6)
+    assert result.stopped == "epochs: all 6 of --epochs ran"
+
+
 def _validation_scores(monkeypatch, scores: list[float]) -> None:
     """The validation split scores ``scores``, epoch by epoch (other splits score as they
     do): the split is known by identity once training has loaded it."""
