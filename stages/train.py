@@ -81,8 +81,7 @@ class TrainResult:
 
 @dataclass
 class Model:
-    """One model this stage trains: its loop, and what train keeps beside it (the run folder,
-    checkpoints, the data it is scored on)."""
+    """One model this stage trains: its loop, and beside it its run, checkpoints and data."""
 
     variant: str
     loop: Loop
