@@ -485,10 +485,13 @@ def test_a_fall_within_noise_earns_the_probe_more_steps_and_no_fall_none(monkeyp
                                                                          verdict):
     """mobilenet_v2 on photos10 in fp32 fell from 2.3026 to 2.2338 in 450 steps, within
     noise, where it trains well: the probe goes on (up to PROBE_ROUNDS) while the loss falls,
-    and refuses once it does not, or has not cleared noise by the last round."""
+    and, where the pixels show no link to the labels either, refuses once it does not fall, or
+    has not cleared noise by the last round."""
     from stages.training import lr_range
 
     asked, rule = [], 0.025
+    monkeypatch.setattr(lr_range, "pixels_predict_labels",
+                        lambda splits, seed: ("the pixels scored as guessing", False))
     # Only the rule's rate: a quarter of it does worse in its first round.
     worse = [(0.5, -1.5)]
     monkeypatch.setattr(lr_range, "validation_probe", _probe_of({rule: gains, rule / 4: worse},
@@ -504,6 +507,40 @@ def test_a_fall_within_noise_earns_the_probe_more_steps_and_no_fall_none(monkeyp
         with pytest.raises(lr_range.NothingLearned, match=steps):
             lr_range.probed_rate(config, None, FP32, None, never)
     assert asked == [rule, rule / 4]  # each probe made once: its rounds go on in it
+
+
+def test_a_slow_starter_on_learnable_data_trains_at_the_best_rate_probed(monkeypatch):
+    """mnasnet0_5 on photos10 left the validation loss at chance after 450 steps at each rate;
+    the pixels' class means still predict the labels, so it trains (at the lowest validation
+    loss) rather than being refused as if its labels were shuffled."""
+    from stages.training import lr_range
+
+    rule, asked = 0.025, []
+    gains = {rule: [(0.0, -0.2)], rule / 4: [(0.0, -0.1)], rule / 16: [(0.0, -0.15)]}
+    monkeypatch.setattr(lr_range, "validation_probe", _probe_of(gains, asked))
+    monkeypatch.setattr(lr_range, "pixels_predict_labels",
+                        lambda splits, seed: ("the pixels scored 31.0%", True))
+    config = TrainConfig(**TINY_TRAIN | {"lr": "auto"})
+    never = lr_range.NeverFell([1e-3, 1.0], "the smoothed loss went from 2.3 to 2.29")
+    lr, why = lr_range.probed_rate(config, None, FP32, None, never)
+    assert lr == pytest.approx(rule / 4) and asked == [rule, rule / 4, rule / 16]
+    assert why.endswith("none beat guessing beyond noise, but the pixels scored 31.0%")
+
+
+def test_the_pixels_tell_labels_that_belong_to_the_images_from_shuffled_ones():
+    from stages.data import datasets
+    from stages.training import lr_range
+
+    splits = datasets.load_splits(TrainConfig(**TINY_TRAIN))
+    found, learnable = lr_range.pixels_predict_labels(splits, seed=0)
+    assert learnable, found
+    assert found.startswith("a nearest-class-mean classifier on the pixels scored ")
+    shuffle = torch.Generator().manual_seed(1)
+    for split in (splits.calibration, splits.val):
+        images, labels = split.tensors
+        split.tensors = (images, labels[torch.randperm(len(labels), generator=shuffle)])
+    found, learnable = lr_range.pixels_predict_labels(splits, seed=0)
+    assert not learnable, found
 
 
 def test_the_probe_goes_down_in_quarters_while_a_lower_rate_does_better(monkeypatch):
