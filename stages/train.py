@@ -178,12 +178,8 @@ def _end_epoch(model: Model, budget: float | None, epoch: int, record: dict,
     record |= {"lr": loop.parts.scheduler.get_last_lr()[0], "seconds": totals.seconds,
                "samples_per_second": totals.samples / totals.seconds,
                "skipped_steps": totals.skipped, "skipped_images": model.splits.skipped_images}
-    # Never within the plan's last --patience epochs, the cosine's lowest rates: mobilenet_v2 on
-    # photos10 stopped at epoch 18 of 20, its validation accuracy within noise of its best.
-    patience, left = config.patience, loop.planned_epochs - epoch
-    if patience < left and not totals.stopped and epoch - totals.best_epoch >= patience:
-        totals.stopped = (f"plateau: validation accuracy did not improve for {patience} "
-                          f"epochs after epoch {totals.best_epoch}")
+    if not totals.stopped:
+        plans.anneal_on_plateau(loop, epoch, config.patience)
     is_main = distributed.current().is_main
     if is_main:
         atomic_write_text(model.folder / "metrics.jsonl",

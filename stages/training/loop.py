@@ -161,6 +161,7 @@ class Totals:
     wall: float = 0.0  # steps, scoring and checkpoints: the pace a time plan reads
     planned_epochs: int | None = None  # where a time plan cut the epochs
     stopped: str = ""  # why training ended (epochs, time, plateau); "": it goes on
+    plateau: str = ""  # where a plateau cut the schedule short (plans.anneal_on_plateau)
 
 
 class DeviceSums:

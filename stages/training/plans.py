@@ -41,10 +41,29 @@ def planned_end(loop: Loop, epoch: int, budget: float | None) -> str:
                 "learning-rate schedule ends with them", quiet=loop.quiet)
     if epoch < planned:
         return ""
+    if totals.plateau:
+        return totals.plateau
     if planned < loop.epochs:
         return (f"time: {planned} epoch{'s' * (planned != 1)} fit --time ({budget:.0f} s for "
                 "this model)")
     return f"epochs: all {loop.epochs} of --epochs ran"
+
+
+def anneal_on_plateau(loop: Loop, epoch: int, patience: int) -> None:
+    """train --patience, after ``epoch``: where validation accuracy has not improved for
+    ``patience`` epochs, the schedule is cut to end ``patience`` epochs on, so that training
+    ends at the cosine's lowest rates rather than on a plateau at a high one (mobilenet_v3_large
+    on photos10 stopped at epoch 12 of 28, its rate still 0.68 of the peak). Within the plan's
+    last ``patience`` epochs nothing changes: the schedule already ends there."""
+    totals = loop.totals
+    if totals.plateau or epoch - totals.best_epoch < patience:
+        return
+    if epoch + patience < loop.planned_epochs:
+        cut(loop, epoch + patience)
+        totals.plateau = (f"plateau: validation accuracy did not improve for {patience} epochs "
+                          f"after epoch {totals.best_epoch}; the schedule was cut to end "
+                          f"{patience} epochs later")
+        say(f"{loop.name}: {totals.plateau}", quiet=loop.quiet)
 
 
 class Plan(NamedTuple):

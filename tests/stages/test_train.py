@@ -189,19 +189,22 @@ def test_batchnorm_statistics_are_recomputed_from_training_images():
     assert model[1].momentum == 0.01 and model.training
 
 
-def test_a_plateau_stops_training_and_keeps_the_best_epoch(tmp_path, monkeypatch):
-    """Validation best at epoch 1, then worse: with --patience 2 training ends after epoch 3
-    of 6, says why, and model.pt is epoch 1's."""
+def test_a_plateau_cuts_the_schedule_to_end_patience_epochs_on(tmp_path, monkeypatch):
+    """Validation best at epoch 1, then worse: with --patience 2 the plateau at epoch 3 of 8
+    cuts the cosine to end with epoch 5 (annealed, epoch 4 is the best), says why, and the
+    learning rate of the last epoch is the schedule's end, not its middle."""
     run = artifacts.create_run(tmp_path, "plateau")
-    _validation_scores(monkeypatch, [0.9, 0.5, 0.4, 0.95, 0.95, 0.95])
-    (result,) = train.run(TrainConfig(**TINY_TRAIN | {"epochs": 6, "patience": 2,
+    _validation_scores(monkeypatch, [0.9, 0.5, 0.4, 0.95, 0.93, 0.5, 0.5, 0.5])
+    (result,) = train.run(TrainConfig(**TINY_TRAIN | {"epochs": 8, "patience": 2,
                                                        "baseline": False}), run)
-    assert result.epochs_run == 3 and result.best_epoch == 1
-    assert result.stopped == "plateau: validation accuracy did not improve for 2 epochs after epoch 1"
+    assert (result.epochs_run, result.best_epoch) == (5, 4)
+    assert result.stopped == ("plateau: validation accuracy did not improve for 2 epochs after "
+                              "epoch 1; the schedule was cut to end 2 epochs later")
     assert run.entry("amp")["training"]["stopped"] == result.stopped
     history = [json.loads(line) for line in
                run.verified_path("amp/metrics").read_text().splitlines()]
-    assert [h["epoch"] for h in history] == [1, 2, 3]
+    assert [h["epoch"] for h in history] == [1, 2, 3, 4, 5]
+    assert history[-1]["lr"] == pytest.approx(0.0, abs=1e-9)  # the cosine's end
 
 
 def test_a_time_budget_plans_the_epochs_that_fit_and_ends_the_schedule_with_them(tmp_path):
