@@ -5,10 +5,11 @@ bf16 autocast does not always pay on a CPU. Under training's AMX cap (precision.
 here took 161 ms a step for mobilenet_v2 at 32x32 and batch 64 in bf16 against 81 ms in fp32,
 and 115 against 109 ms for resnet18 (benchmarks/memory_format.py, docs/measurements.md); at
 224x224 mobilenet_v2 was the other way round (2.6 s against 3.2 s). Under --time a slower step
-is fewer epochs, so the choice is measured, not assumed: one model of each precision takes the
-same batches in turn, and bf16 is kept unless its median step is BF16_SLOWER_BY times fp32's.
-The margin keeps a near tie (resnet18 above) where it was, in mixed precision, rather than
-letting the machine's noise flip it from run to run.
+is fewer epochs, so under --time the choice is measured, not assumed: one model of each
+precision takes the same batches in turn, and bf16 is kept unless its median step is
+BF16_SLOWER_BY times fp32's. The margin keeps a near tie (resnet18 above) where it was, in mixed
+precision. With fixed epochs auto stays bf16: a timing near the margin would flip from run to
+run, and the same seed must give the same weights (smallcnn's did not, once it was timed).
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ PROBE_LR = 1e-3  # the steps' updates are thrown away; a small rate keeps them f
 
 def choose_precision(config, splits, precision: Precision, device) -> tuple[Precision, str]:
     """(the precision `amp` trains in, how it was chosen): what --precision gave or auto
-    resolved to, or, where auto resolved to bf16 on a CPU, the faster of bf16 and fp32 with
-    bf16 given BF16_SLOWER_BY of room. Rank 0's measurement holds on every rank."""
+    resolved to, or, where auto resolved to bf16 on a CPU under --time, the faster of bf16 and
+    fp32 with bf16 given BF16_SLOWER_BY of room. Rank 0's measurement holds on every rank."""
     if config.precision != "auto":
         return precision, "--precision"
     quiet = config.quiet or not distributed.current().is_main
@@ -39,6 +40,8 @@ def choose_precision(config, splits, precision: Precision, device) -> tuple[Prec
         if note:
             say(note, quiet=quiet)
         return precision, note or "auto"
+    if config.time is None:  # with fixed epochs a seed must give the same model every run
+        return precision, "auto (timed against fp32 under --time only)"
     bf16, fp32 = distributed.broadcast(step_seconds(config, splits, device))
     measured = f"a training step at {bf16 * 1e3:.0f} ms in bf16 and {fp32 * 1e3:.0f} ms in fp32"
     if bf16 <= BF16_SLOWER_BY * fp32:

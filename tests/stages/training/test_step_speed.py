@@ -19,13 +19,14 @@ from tests.conftest import TINY_TRAIN
 MEASURED = "auto, measured: a training step at "
 
 
-def _train(tmp_path, monkeypatch, slower_by: float):
-    """A tiny run trained with --precision auto where auto first resolves to bf16 (as on a CPU
-    with bf16 instructions), under the margin given."""
+def _train(tmp_path, monkeypatch, slower_by: float, **config):
+    """A tiny run trained under --time with --precision auto where auto first resolves to bf16
+    (as on a CPU with bf16 instructions), under the margin given."""
     monkeypatch.setattr(machine, "cpu_has_bf16", lambda: True)
     monkeypatch.setattr(step_speed, "BF16_SLOWER_BY", slower_by)
     run = artifacts.create_run(tmp_path, "speed")
-    results = train.run(TrainConfig(**TINY_TRAIN | {"epochs": 1, "precision": "auto"}), run)
+    results = train.run(TrainConfig(**TINY_TRAIN | {"epochs": 1, "precision": "auto",
+                                                     "time": "60s"} | config), run)
     return {r.variant: r for r in results}, run
 
 
@@ -46,6 +47,13 @@ def test_bf16_is_kept_within_the_margin_and_the_measurement_recorded(tmp_path, m
     assert "same_run_as" not in run.entry("fp32")["training"]
     assert run.recorded_config("train")["precision_chosen_by"].startswith(MEASURED)
     assert report.training_rows(run)["amp"]["precision_chosen_by"].startswith(MEASURED)
+
+
+def test_with_fixed_epochs_auto_is_not_timed_and_stays_bf16(tmp_path, monkeypatch):
+    """The same seed must give the same weights: without --time the choice is not measured."""
+    results, run = _train(tmp_path, monkeypatch, slower_by=0.0, time=None)
+    assert results["amp"].precision == "bf16"
+    assert run.recorded_config("train")["precision_chosen_by"].startswith("auto (timed against")
 
 
 @pytest.mark.parametrize("asked", ["bf16", "fp32"])
