@@ -332,10 +332,13 @@ def _lr_sentence(report: dict) -> str:
         return f" Peak learning rate {found['value']:g}, as --lr gave it."
     capped = found.get("found_by") == "range test" and curve.get("capped")
     uncapped = curve.get("uncapped", curve["chosen"])
+    # Runs before 2026-12-06 chose the minimum over 2 and recorded no `climbed`.
+    read, at = ((f"where the smoothed loss, past its lowest, first rose {curve['climb'] - 1:.0%} "
+                 "above it", curve["climbed"]) if "climbed" in curve
+                else ("where the smoothed loss was lowest", curve["minimum"]))
     return (f" Peak learning rate {found['value']:.3g}, found by a range test of "
             f"{curve['steps']} steps from {curve['start_lr']:g} upwards: the learning rate "
-            f"where the smoothed loss was lowest ({curve['minimum']:.3g}) divided by "
-            f"{curve['minimum'] / uncapped:.3g}"
+            f"{read} ({at:.3g}) divided by {at / uncapped:.3g}"
             + (f" ({uncapped:.3g}), held to {curve['ceiling']:.3g}, the most its batch size "
                "allows (twice Goyal et al.'s linear-scaling rule)." if capped else "."))
 

@@ -163,14 +163,14 @@ def training_curves(histories: dict[str, list[dict]], path: Path) -> None:
 
 def lr_range(curve: dict, path: Path) -> None:
     """The learning-rate range test: smoothed loss against the learning rate (log scale), the
-    steepest descent, the lowest loss and the value chosen marked."""
+    steepest descent, the lowest loss, where it climbed past it and the value chosen marked."""
     plt, fig, (ax,) = _figure(6, 4)
     ax.plot(curve["lrs"], curve["losses"], color="tab:blue")
     capped = curve.get("capped")
-    for key, style, label in (("steepest", ":", "steepest descent"),
-                              ("minimum", "--", "lowest loss"),
-                              ("chosen", "-", "chosen peak, the batch's ceiling" if capped
-                               else "chosen peak")):
+    marks = (("steepest", ":", "steepest descent"), ("minimum", "--", "lowest loss"),
+             ("climbed", "-.", f"{curve.get('climb', 1) - 1:.0%} above the lowest loss"),
+             ("chosen", "-", "chosen peak, the batch's ceiling" if capped else "chosen peak"))
+    for key, style, label in [mark for mark in marks if mark[0] in curve]:
         ax.axvline(curve[key], linestyle=style, color="tab:red" if key == "chosen" else "gray",
                    label=f"{label} {curve[key]:.3g}")
     ax.set(title="learning-rate range test", xlabel="learning rate", xscale="log",

@@ -319,8 +319,9 @@ def test_lr_auto_finds_a_learning_rate_by_a_range_test_and_keeps_its_curve(tmp_p
     recorded = run.recorded_config("train")
     assert recorded["lr"] == "auto" and recorded["resolved_lr"] == curve["chosen"]
     assert curve["ceiling"] == lr_range.CEILING_PER_256 * 64 / 256  # TINY_TRAIN's batch
-    assert lr_range.START_LR <= curve["chosen"] == min(curve["minimum"] / lr_range.SAFETY,
+    assert lr_range.START_LR <= curve["chosen"] == min(curve["climbed"] / lr_range.BELOW_CLIMB,
                                                        curve["ceiling"])
+    assert curve["minimum"] <= curve["climbed"]
     assert 10 < curve["steps"] <= lr_range.MAX_STEPS and len(curve["lrs"]) == curve["steps"]
     assert curve["lrs"] == sorted(curve["lrs"])  # rising exponentially
     checkpoint = loading.load_checkpoint(run.verified_path("amp/checkpoint-last"))
@@ -335,26 +336,31 @@ def test_lr_auto_finds_a_learning_rate_by_a_range_test_and_keeps_its_curve(tmp_p
     assert curve["capped"] == (curve["uncapped"] > curve["ceiling"])
     assert (f"Peak learning rate {curve['chosen']:.3g}, found by a range test of "
             f"{curve['steps']} steps from 0.001 upwards: the learning rate where the smoothed "
-            f"loss was lowest ({curve['minimum']:.3g}) divided by 2"
+            f"loss, past its lowest, first rose 10% above it ({curve['climbed']:.3g}) divided by 5"
             + (f" ({curve['uncapped']:.3g}), held to 0.05" if curve["capped"] else ".")
             ) in _lr_sentence({"learning_rate": learning_rate})
 
 
-def test_the_range_test_chooses_below_the_minimum_and_refuses_a_loss_that_never_falls():
-    """The peak is the lowest loss's learning rate over SAFETY, not the steepest descent: a
-    loss that falls fastest in the first steps (a poor initial scale, as efficientnet_b0 and
-    mnasnet0_5 start) must not pull the choice down there."""
+def test_the_range_test_reads_where_the_loss_climbs_not_its_minimum_nor_its_steepest_fall():
+    """The peak is a fifth of where the loss, past its minimum, climbs 10% above it: neither a
+    fall fastest in the first steps (a poor initial scale, as efficientnet_b0 and mnasnet0_5
+    start) nor the lowest point of a flat valley, which noise places (resnet18 on photos10)."""
     from stages.run.errors import PipelineError
     from stages.training import lr_range
 
     lrs = [1e-5 * 10 ** (i / 10) for i in range(60)]  # 1e-5 to about 8
-    falling = [9.0 - 1.2 * i for i in range(6)] + [
-        2.3 - 2.0 / (1 + pow(2.718, -(i - 30) / 3)) for i in range(6, 50)] + [
-        0.35 + 0.5 * i for i in range(10)]  # steepest at the start, lowest at step 49
-    chosen = lr_range.choose(lrs, falling)
+    # Steepest at the start, lowest at step 30 (1.00), within 10% of it until step 44 (1.09),
+    # then climbing: 1.11 at step 45.
+    valley = [9.0 - 1.2 * i for i in range(6)] + [
+        1.0 + 1.5 * (30 - i) / 24 for i in range(6, 30)] + [
+        1.0 + 0.09 * (i - 30) / 14 for i in range(30, 45)] + [
+        1.11 + 0.3 * (i - 45) for i in range(45, 60)]
+    chosen = lr_range.choose(lrs, valley)
     assert chosen["steepest"] <= lrs[6]
-    assert chosen["minimum"] == lrs[49]
-    assert chosen["chosen"] == lrs[49] / lr_range.SAFETY
+    assert chosen["minimum"] == lrs[30] and chosen["climbed"] == lrs[45]
+    assert chosen["chosen"] == lrs[45] / 5 > lrs[30]  # above the valley's lowest point
+    never_climbs = valley[:45] + [1.05] * 15
+    assert lr_range.choose(lrs, never_climbs)["climbed"] == lrs[-1]
     with pytest.raises(PipelineError, match=r"--lr auto: the training loss never fell while the "
                                             r"learning rate rose over 1.0e-05 to 7.9e\+00 in 60 "
                                             r"steps \(the smoothed loss went from 2.3 to at best"):
@@ -373,7 +379,7 @@ def test_a_range_test_whose_loss_never_fell_runs_once_more_held_longer(tmp_path,
         if steps < slow_learner_steps:
             raise lr_range.NeverFell([1e-3, 2e-3], "the smoothed loss went from 2.3 to 2.29")
         return {"lrs": [1e-3], "losses": [2.3], "steps": steps, "chosen": 0.04,
-                "minimum": 0.08, "steepest": 0.02}
+                "minimum": 0.08, "climb": 1.1, "climbed": 0.2, "steepest": 0.02}
 
     monkeypatch.setattr(lr_range, "range_test", range_test)
     monkeypatch.setattr(lr_range, "probed_rate", lambda *args: (0.025, "the rule"))
@@ -574,7 +580,7 @@ def test_a_range_test_longer_than_the_training_gives_way_to_the_linear_scaling_r
     tested = []
     monkeypatch.setattr(lr_range, "range_test", lambda *args, **kwargs: tested.append(1) or {
         "lrs": [1e-3], "losses": [2.3], "steps": 150, "chosen": 0.04, "minimum": 0.08,
-        "steepest": 0.02})
+        "climb": 1.1, "climbed": 0.2, "steepest": 0.02})
     config = TrainConfig(**TINY_TRAIN | {"lr": "auto", "epochs": 1})
     run = artifacts.create_run(tmp_path, "short")
     digits = _splits(1293)  # the digits' training split: 21 steps an epoch at batch 64
@@ -604,7 +610,7 @@ def test_the_peak_found_is_at_most_twice_the_linear_scaling_rule(tmp_path, monke
     from stages.training import lr_range
 
     found = {"lrs": [1e-3], "losses": [2.3], "steps": 145, "start_lr": 1e-3, "chosen": 0.18,
-             "minimum": 0.36, "steepest": 0.06}
+             "minimum": 0.36, "climb": 1.1, "climbed": 0.9, "steepest": 0.06}
     monkeypatch.setattr(lr_range, "range_test", lambda *args, **kwargs: dict(found))
     curves = {}
     for batch, peak in ((64, 0.05), (128, 0.1), (1024, 0.18)):
@@ -617,8 +623,13 @@ def test_the_peak_found_is_at_most_twice_the_linear_scaling_rule(tmp_path, monke
     capped = curves[64]
     sentence = _lr_sentence({"learning_rate": {"value": capped["chosen"], "curve": capped,
                                                "found_by": "range test"}})
-    assert sentence.endswith("(0.36) divided by 2 (0.18), held to 0.05, the most its batch size "
-                             "allows (twice Goyal et al.'s linear-scaling rule).")
+    assert sentence.endswith("first rose 10% above it (0.9) divided by 5 (0.18), held to 0.05, "
+                             "the most its batch size allows (twice Goyal et al.'s linear-scaling "
+                             "rule).")
+    older = {key: value for key, value in capped.items() if key not in ("climb", "climbed")}
+    sentence = _lr_sentence({"learning_rate": {"value": older["chosen"], "curve": older,
+                                               "found_by": "range test"}})
+    assert "where the smoothed loss was lowest (0.36) divided by 2 (0.18), held to" in sentence
     given = _lr_sentence({"learning_rate": {"value": 0.05, "curve": capped, "found_by": "--lr"}})
     assert "held to" not in given
 
