@@ -74,6 +74,7 @@ def test_help_does_not_import_torch():
     assert out.stdout.strip().endswith("False")
 
 
+@pytest.mark.slow
 def test_chain_through_cli_runner_then_stages_alone_on_latest_and_named_run(tmp_path):
     result = invoke("--artifacts-dir", str(tmp_path), *TINY, "quantize", "--methods",
                     "ort-static", "--calibration-samples", "64", *FAST_REPORT)
@@ -181,6 +182,7 @@ def test_auto_goes_on_to_qat_only_where_post_training_missed_the_budget(monkeypa
     assert given == ["qat config"]
 
 
+@pytest.mark.slow
 def test_a_qat_that_diverges_under_auto_leaves_the_post_training_variants_standing(
         cheap_run, monkeypatch):
     """Through the command, with a real quantize: only the verdict (a dynamic variant alone
@@ -256,6 +258,7 @@ def test_python_dash_m_pipeline_is_the_command_too():
     assert module.returncode == 0 and "pipeline train quantize report" in module.stdout
 
 
+@pytest.mark.slow
 def test_compare_and_the_speedup_gate(cheap_run):
     artifacts_dir = cheap_run.artifacts_dir
     shutil.copytree(cheap_run.root, artifacts_dir / "runs" / "two")

@@ -83,6 +83,7 @@ def test_a_timm_model_trains_quantizes_and_reports(tmp_path):
     assert models["ort-static"]["op_counts"]["Conv"]["float"] == 0
 
 
+@pytest.mark.slow
 def test_an_imported_checkpoint_is_the_fp32_source_of_quantize_and_report(tiny_run, tmp_path):
     trained = loading.load_checkpoint(tiny_run["run"].verified_path("fp32"))["state_dict"]
     checkpoint = tmp_path / "elsewhere.pt"

@@ -162,6 +162,7 @@ def test_ort_static_alone_exports_onnx_first_and_unknown_methods_are_refused(tmp
         QuantizeConfig(methods="onnx")
 
 
+@pytest.mark.slow
 def test_an_int8_variant_where_nothing_runs_in_int8_is_refused(tmp_path, monkeypatch):
     run = artifacts.create_run(tmp_path, "fallback")
     train.run(TrainConfig(**TINY_TRAIN | {"epochs": 1, "baseline": False}), run)
@@ -289,6 +290,7 @@ def test_auto_goes_on_to_qat_only_when_every_post_training_variant_misses_the_bu
     assert not met and why.endswith("(ort-static not kept, torch-static not kept)")
 
 
+@pytest.mark.slow
 def test_compiled_kernels_that_depart_from_the_graph_are_recorded_and_said(
         fresh_tiny_run, monkeypatch, capsys):
     """The report measures Inductor's compiled code: where it disagrees with the quantized
@@ -303,6 +305,7 @@ def test_compiled_kernels_that_depart_from_the_graph_are_recorded_and_said(
             f"{kernels['top1_agreement']:.1%} of 128 training images") in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_search_that_finds_nothing_within_the_budget_keeps_nothing_and_says_why(
         cheap_run, monkeypatch, capsys):
     """A budget no configuration meets and no time for the fallback: ort-static is not kept
@@ -419,6 +422,7 @@ def test_bf16_variants_are_float_variants_run_in_bf16(tiny_run):
     assert rows["amp-compiled"]["serving"].endswith("bf16 autocast")
 
 
+@pytest.mark.slow
 def test_in_a_process_capped_for_training_quantize_runs_without_the_cap(tiny_run, tmp_path,
                                                                         monkeypatch):
     """As in `pipeline train quantize` on an AMX CPU: bf16 training capped oneDNN for the
@@ -437,6 +441,7 @@ def test_in_a_process_capped_for_training_quantize_runs_without_the_cap(tiny_run
     assert run.recorded_config("quantize")["onednn_max_cpu_isa"] == "AVX512_CORE_BF16"
 
 
+@pytest.mark.slow
 def test_a_runtime_that_crashes_while_its_variant_is_made_costs_that_variant(fresh_tiny_run,
                                                                              monkeypatch):
     """openvino-fp32's making dies of a real SIGSEGV in quantize's process: the stage

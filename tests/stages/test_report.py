@@ -650,6 +650,7 @@ def test_peak_memory_not_measured_is_said_so_and_not_printed_as_zero(tiny_run):
             "(--no-measure-memory). Every later stage") in mixed
 
 
+@pytest.mark.slow
 def test_a_variant_that_crashes_its_runtime_costs_its_row_not_the_report(cheap_run, monkeypatch):
     """ort-static's calls die of a real SIGSEGV in the measuring process: the report stage
     completes, ort-static has a row that says what happened, and the rest is measured."""

@@ -235,6 +235,7 @@ def test_the_defaults_find_the_learning_rate_and_plan_to_the_budget():
     assert TrainConfig(time="10m", epochs=3).epochs == 3
 
 
+@pytest.mark.slow
 def test_the_time_budget_holds_for_the_stage_the_range_test_included(tmp_path, monkeypatch):
     """What the range test took is spent from --time: a test that takes the whole budget
     leaves one epoch (the least that trains), where the same budget alone fits all three."""
@@ -420,6 +421,7 @@ def test_a_second_range_test_longer_than_the_training_gives_way_to_the_rule(tmp_
     assert tried == [lr_range.MAX_STEPS]
 
 
+@pytest.mark.slow
 def test_with_no_range_test_readable_a_learner_trains_and_shuffled_labels_are_refused(
         tmp_path, monkeypatch):
     """The probe at the linear-scaling rule, on real digits: smallcnn beats guessing the
