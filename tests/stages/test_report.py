@@ -164,6 +164,40 @@ def test_changes_are_measured_against_the_model_the_variants_are_made_from():
     assert judging.reference_of(apart, ["amp", "torch-static"]) == "amp"  # --no-baseline
 
 
+def test_each_row_is_scored_on_the_held_out_images_it_is_judged_on_alone(tiny_run, monkeypatch,
+                                                                        tmp_path):
+    """tiny_run's fp32 baseline trained apart from its bf16 `amp`, and is judged on the
+    validation split alone: the held-out training images are not predicted for it (at
+    224x224 they were most of its scoring). Every other row, the reference first, is scored
+    on all of them. Stopped before the timing, which this does not test."""
+    from stages.data.datasets import splits_of_run
+    from stages.data.subsets import selection_set
+
+    class Scored(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Scored
+
+    sizes, real = [], measuring.predict_dataset
+    monkeypatch.setattr(measuring, "predict_dataset",
+                        lambda predict, dataset: sizes.append(len(dataset)) or real(predict,
+                                                                                   dataset))
+    monkeypatch.setattr(measuring, "time_variants", stop)
+    run = tiny_run["run"]
+    compiled = ("fp32-compiled", "amp-compiled", "torch-dynamic", "torch-static")  # 10 s more
+    with pytest.raises(Scored):
+        measuring.measure_variants(run, ReportConfig(**TINY_REPORT), 1, tmp_path, skip=compiled)
+    splits = splits_of_run(run)
+    held_out = len(selection_set(splits, run.recorded_config("quantize")["calibration_samples"],
+                                 0))
+    assert held_out > len(splits.val)
+    rows = [name for name in ALL_VARIANTS if name in run.artifacts() and name not in compiled]
+    scored = dict(zip(rows, zip(sizes[0::2], sizes[1::2], strict=True), strict=True))
+    assert scored.pop("fp32") == (len(splits.val), len(splits.test))
+    assert set(scored.values()) == {(held_out, len(splits.test))}
+
+
 def test_a_baseline_better_than_the_reference_beyond_the_budget_is_a_warning():
     def baseline(worst: float) -> dict:
         change = {"difference": worst + 0.01, "low": worst - 0.005, "high": worst + 0.03,
