@@ -41,7 +41,7 @@ from stages.run.files import (
 )
 from stages.run.progress import say
 from stages.training import batchnorm, distributed, failures, lr_range, plans
-from stages.training.loop import Hooks, Loop, Seen, build_parts, fit
+from stages.training.loop import Hooks, Loop, Seen, build_parts, fit, recipe
 from stages.training.memory import PeakMemory, peak_memory_in_fresh_process
 from stages.training.precision import (
     Precision,
@@ -345,7 +345,7 @@ def _set_up(config, run: Run, resume: bool) -> tuple:
         run.record_config("train", asdict(config) | {
             "resolved_precision": precision.name, "precision_chosen_by": chosen_by,
             "resolved_device": str(device), "world_size": world.world_size, "resolved_lr": lr,
-            "lr_found_by": found_by})
+            "lr_found_by": found_by, "recipe": recipe(config, splits)})
         record_preprocessing(run, splits, config.dataset, "train")
     return device, precision, splits, replace(config, lr=lr)
 

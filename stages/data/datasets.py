@@ -45,6 +45,7 @@ class DataSplits:
     # How one image becomes the model's input (stages/data/preprocess.py): the evaluation
     # transform as numbers, for pipeline.load, predict and export.
     preprocessing: dict | None = None
+    augmentation: str = "none"  # what training images go through, in words (the run's recipe)
 
     def input_shape(self, batch_size: int) -> tuple[int, int, int, int]:
         return (batch_size, self.in_channels, self.image_size, self.image_size)

@@ -31,6 +31,24 @@ class _Widen:
 NATIVE_SIZE = {"mnist": 28, "fashion-mnist": 28, "cifar10": 32, "cifar100": 32}
 
 
+def _shift(image_size: int) -> int:
+    return max(1, image_size // 8)
+
+
+def _mirrors(name: str) -> bool:
+    """Shifts for everything, mirror images only where they stay valid (a mirrored digit or
+    letter is not the same one)."""
+    return not name.endswith("mnist")
+
+
+def augmentation_of(name: str, image_size: int) -> str:
+    """What _transforms(train=True) does to a training image, in words: config.json's recipe
+    and the report's training section."""
+    shifts = (f"random shifts of up to {_shift(image_size)} pixels (a crop of the zero-padded "
+              "image)")
+    return shifts + (" and horizontal flips" if _mirrors(name) else "")
+
+
 def _transforms(name: str, image_size: int, in_channels: int | None, train: bool):
     """Resize (where the native size differs), light augmentation for training only, normalise,
     and widen grey to the channels the model wants. ImageFolder already converts to RGB."""
@@ -41,10 +59,8 @@ def _transforms(name: str, image_size: int, in_channels: int | None, train: bool
     if NATIVE_SIZE.get(name) != image_size:
         steps.append(T.Resize((image_size, image_size)))
     if train:
-        # Shifts for everything, mirror images only where they stay valid (a mirrored digit is
-        # not the same digit).
-        steps.append(T.RandomCrop(image_size, padding=max(1, image_size // 8)))
-        if not name.endswith("mnist"):
+        steps.append(T.RandomCrop(image_size, padding=_shift(image_size)))
+        if _mirrors(name):
             steps.append(T.RandomHorizontalFlip())
     steps += [T.ToTensor(), T.Normalize(mean, std)]
     if in_channels and in_channels > len(mean):
@@ -100,7 +116,8 @@ def _torchvision_splits(name: str, image_size: int, seed: int, data_dir: Path, d
     return DataSplits(subset(augmented, sorted(train_idx)), subset(plain, sorted(val_idx)), test,
                       subset(plain, sorted(train_idx)), num_classes=len(augmented.classes),
                       in_channels=channels, image_size=image_size,
-                      classes=tuple(augmented.classes), preprocessing=_pil_preprocessing(name))
+                      classes=tuple(augmented.classes), preprocessing=_pil_preprocessing(name),
+                      augmentation=augmentation_of(name, image_size))
 
 
 for _name in ("mnist", "fashion-mnist", "cifar10", "cifar100"):
@@ -188,4 +205,5 @@ def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
                       subset(plain, sorted(train_idx)), num_classes=len(augmented.classes),
                       in_channels=in_channels or 3, image_size=image_size,
                       skipped_images=skipped, classes=tuple(augmented.classes),
-                      preprocessing=_pil_preprocessing("imagefolder"))
+                      preprocessing=_pil_preprocessing("imagefolder"),
+                      augmentation=augmentation_of("imagefolder", image_size))

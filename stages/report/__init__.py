@@ -116,6 +116,7 @@ def assemble(run: Run, config, threads: int, rows: list[dict], measured: dict,
         "run": run.name, "reference": reference,
         "config": asdict(config) | {"threads": threads}, "models": rows,
         "training": training, "training_history": histories, "learning_rate": learning_rate,
+        "recipe": run.recorded_config("train").get("recipe", {}),  # {}: kept since 2026-12-06
         "verdict": _verdicts(rows, reference, config, conditions, gpu_rows),
         "warnings": _warnings(run, rows, reference, config, training, measured, environment),
         "parity": measured["parity"], "figures": figures, "environment": environment,

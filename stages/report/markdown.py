@@ -300,7 +300,8 @@ def _training(report: dict) -> list[str]:
                      f"{t['skipped_steps']} |")
     isa = {name: (t.get("isa") or {}) for name, t in training.items()}
     lines += ["", f"{_memory_sentence(training)}. Every later stage starts from model.pt, the "
-              "epoch with the best validation accuracy." + _lr_sentence(report)]
+              "epoch with the best validation accuracy." + _lr_sentence(report)
+              + _recipe_sentence(report.get("recipe") or {})]
     for name, found in isa.items():
         if found:
             lines.append(f"`{name}` trained with ATen's {found.get('aten')} kernels, oneDNN "
@@ -341,6 +342,21 @@ def _lr_sentence(report: dict) -> str:
             f"{read} ({at:.3g}) divided by {at / uncapped:.3g}"
             + (f" ({uncapped:.3g}), held to {curve['ceiling']:.3g}, the most its batch size "
                "allows (twice Goyal et al.'s linear-scaling rule)." if capped else "."))
+
+
+def _recipe_sentence(recipe: dict) -> str:
+    """The rest of how the models trained (config.json's recipe, stages/training/loop.py)."""
+    if not recipe:
+        return ""
+    smoothing = (f"label smoothing {recipe['label_smoothing']:g}" if recipe["label_smoothing"]
+                 else "no label smoothing")
+    averaging = ("no averaging of weights" if recipe["weight_averaging"] == "none"
+                 else f"weights averaged ({recipe['weight_averaging']})")
+    return (f" {recipe['optimizer']}, batches of {recipe['batch_size']}, weight decay "
+            f"{recipe['weight_decay']:g} on {recipe['weight_decay_on']}, "
+            f"{recipe['schedule']}; {smoothing}; {averaging}; "
+            + ("training images not augmented." if recipe["augmentation"] == "none"
+               else f"training images given {recipe['augmentation']}."))
 
 
 def _gpu_paragraph(report: dict) -> list[str]:

@@ -109,6 +109,17 @@ def build_parts(config, splits: DataSplits, precision: Precision, device) -> Par
                  sampler, loader, notes, memory_format)
 
 
+def recipe(config, splits: DataSplits) -> dict:
+    """How build_parts trains: config.json's `recipe`, shown in the report's training section."""
+    return {"optimizer": "SGD with Nesterov momentum 0.9", "batch_size": config.batch_size,
+            "weight_decay": config.weight_decay,
+            "weight_decay_on": "weights and kernels (not BatchNorm or biases)",
+            "schedule": f"linear warm-up over a tenth of the steps (at most {WARMUP_EPOCHS} "
+                        "epochs), then a cosine to zero",
+            "label_smoothing": config.label_smoothing, "augmentation": splits.augmentation,
+            "weight_averaging": "none"}
+
+
 def endless_batches(parts: Parts):
     """Training batches, epoch after epoch, for as long as a probe takes (the range test, the
     precision's step timing)."""

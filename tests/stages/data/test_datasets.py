@@ -65,12 +65,20 @@ def _png_folder(root, classes=3, per_class=10, size=12):
     return root
 
 
+def _kinds(split) -> list[str]:
+    return [type(t).__name__ for t in split.dataset.transform.transforms]
+
+
 @pytest.mark.parametrize("name", ["mnist", "fashion-mnist"])
 def test_mnist_formats_load_split_and_widen(mnist_dir, name):
     splits = load_dataset(name, image_size=28, seed=0, data_dir=mnist_dir)
     assert (len(splits.train), len(splits.val), len(splits.test)) == (90, 10, 30)
     assert splits.num_classes == 10 and splits.in_channels == 1
     assert splits.test[0][0].shape == (1, 28, 28)
+    # A mirrored letter or digit is another one: shifts alone, and the run's recipe says so.
+    assert _kinds(splits.train) == ["RandomCrop", "ToTensor", "Normalize"]
+    assert splits.augmentation == ("random shifts of up to 3 pixels (a crop of the zero-padded "
+                                   "image)")
     widened = load_dataset(name, image_size=32, seed=0, data_dir=mnist_dir, in_channels=3)
     image = widened.test[0][0]
     assert image.shape == (3, 32, 32) and torch.equal(image[0], image[2])
@@ -80,9 +88,12 @@ def test_cifar_batches_load_with_augmentation_for_training_only(cifar_dir):
     splits = load_dataset("cifar10", image_size=32, seed=0, data_dir=cifar_dir)
     assert (len(splits.train), len(splits.val), len(splits.test)) == (90, 10, 20)
     assert splits.in_channels == 3 and splits.num_classes == 10
-    kinds = lambda ds: [type(t).__name__ for t in ds.dataset.transform.transforms]  # noqa: E731
-    assert "RandomCrop" in kinds(splits.train) and "RandomHorizontalFlip" in kinds(splits.train)
-    assert "RandomCrop" not in kinds(splits.val) and "RandomCrop" not in kinds(splits.calibration)
+    assert "RandomCrop" in _kinds(splits.train) and "RandomHorizontalFlip" in _kinds(splits.train)
+    assert "RandomCrop" not in _kinds(splits.val)
+    assert "RandomCrop" not in _kinds(splits.calibration)
+    assert splits.train.dataset.transform.transforms[0].padding == 4
+    assert splits.augmentation == ("random shifts of up to 4 pixels (a crop of the zero-padded "
+                                   "image) and horizontal flips")
     assert torch.equal(splits.calibration[0][0], splits.calibration[0][0])
 
 
@@ -95,6 +106,7 @@ def test_imagefolder_split_or_train_val_folders(tmp_path):
     _png_folder(tmp_path / "split" / "val", per_class=4)
     both = load_dataset("imagefolder", image_size=16, seed=0, data_dir=tmp_path / "split")
     assert len(both.test) == 12 and len(both.train) + len(both.val) == 30
+    assert "RandomHorizontalFlip" in _kinds(both.train) and "flips" in both.augmentation
 
 
 def test_missing_data_names_the_folder_and_files(tmp_path):
