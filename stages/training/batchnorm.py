@@ -23,12 +23,16 @@ GRAPH_OPS = ("aten.batch_norm.default", "aten._native_batch_norm_legit.default",
 
 def _over_batches(forward: Callable, dataset, batch_size: int, device,
                   before: Callable[[int], None] = lambda i: None) -> None:
+    """Up to BATCHES batches of a seeded sample in shuffled order, the same every call. Not the
+    first images: an image folder lists its classes in order, and batches of one class each
+    gave BatchNorm the variance within a class, not across them, from the first 6,400 of
+    photos10's 9,000 training images, 7 of its 10 classes."""
     import torch
 
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
+    sample = torch.utils.data.Subset(dataset, order[:BATCHES * batch_size].tolist())
     with torch.no_grad():
-        for i, (images, _) in enumerate(make_loader(dataset, batch_size)):
-            if i == BATCHES:
-                break
+        for i, (images, _) in enumerate(make_loader(sample, batch_size)):
             before(i)
             forward(images.to(device))
 

@@ -184,8 +184,6 @@ def test_batchnorm_statistics_of_the_qat_graph_are_recomputed_from_training_imag
     model's own BatchNorm computes it with momentum None."""
     from torch import nn
 
-    from stages.data.loaders import make_loader
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4, momentum=0.0003), nn.ReLU(),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
@@ -196,12 +194,8 @@ def test_batchnorm_statistics_of_the_qat_graph_are_recomputed_from_training_imag
     running = {k: v.clone() for k, v in graph.state_dict().items() if "running" in k}
     assert len(running) == 2
 
-    expected = copy.deepcopy(model[:2]).train()
-    expected[1].reset_running_stats()
-    expected[1].momentum = None  # cumulative average, PyTorch's own
-    with torch.no_grad():
-        for images, _ in make_loader(splits.calibration, 64):
-            expected(images)
+    expected = copy.deepcopy(model[:2])  # the float module's, PyTorch's cumulative average
+    batchnorm.recompute_module(expected, splits.calibration, 64, torch.device("cpu"))
     mean = next(v for k, v in running.items() if k.endswith("running_mean"))
     var = next(v for k, v in running.items() if k.endswith("running_var"))
     assert not torch.allclose(expected[1].running_mean, torch.zeros(4))  # it did move

@@ -29,14 +29,22 @@ def _model(momentum: float = 0.01, dropout: bool = True) -> nn.Sequential:
                          nn.Linear(4 * 6 * 6, 10))
 
 
-def _plain_average(conv, dataset, batches: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per channel, the average over the first ``batches`` batches of each batch's mean and
-    unbiased variance of ``conv``'s output: what a cumulative average holds after them."""
-    images = dataset.tensors[0][:batches * BATCH]
+def _whole(conv, dataset, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel, the mean and variance of ``conv``'s output over the first ``count`` images
+    (all of them by default)."""
     with torch.no_grad():
-        outputs = conv(images).split(BATCH)
-    return (torch.stack([o.mean(dim=(0, 2, 3)) for o in outputs]).mean(0),
-            torch.stack([o.var(dim=(0, 2, 3)) for o in outputs]).mean(0))
+        outputs = conv(dataset.tensors[0][:count])
+    return outputs.mean(dim=(0, 2, 3)), outputs.var(dim=(0, 2, 3))
+
+
+def _assert_over_every_image(running, conv, dataset) -> None:
+    """A plain average over batches that mix the images: the mean of the batches' means is the
+    whole set's mean (equal batches), and their variances, each across the set's range, make
+    its variance. Batches taken in order would hold one step of the climbing mean each, and
+    their variances would leave the steps out (a class-sorted image folder's classes)."""
+    mean, var = _whole(conv, dataset)
+    torch.testing.assert_close(running[0], mean, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(running[1], var, rtol=0.1, atol=0)
 
 
 def _running(module_or_graph) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,22 +68,30 @@ def test_a_module_s_statistics_become_the_plain_average_and_nothing_else_changes
                              and "num_batches" not in k})
     rng = torch.get_rng_state()
     batchnorm.recompute_module(model, _images(), BATCH, CPU)
-    mean, var = _plain_average(model[0], _images(), batches=8)
-    torch.testing.assert_close(_running(model), (mean, var), rtol=1e-4, atol=1e-5)
+    _assert_over_every_image(_running(model), model[0], _images())
     assert torch.equal(rng, torch.get_rng_state())  # dropout stayed off: no random numbers drawn
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())
     assert model[1].momentum == 0.01  # its own momentum back for training
     assert [m.training for m in model.modules()] == [training] * len(list(model.modules()))
 
 
-def test_at_most_batches_batches_are_averaged(monkeypatch):
+def test_at_most_batches_batches_are_averaged_drawn_from_the_whole_set(monkeypatch):
     model = _model()
+    seen = []
+    model.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0]))
     monkeypatch.setattr(batchnorm, "BATCHES", 2)
     batchnorm.recompute_module(model, _images(), BATCH, CPU)
-    first_two = _plain_average(model[0], _images(), batches=2)
-    torch.testing.assert_close(_running(model), first_two, rtol=1e-4, atol=1e-5)
-    every = _plain_average(model[0], _images(), batches=8)
-    assert (every[0] - first_two[0]).abs().min() > 0.1  # the cap, not the data, made it so
+    assert [len(images) for images in seen] == [BATCH, BATCH]
+    every_mean, first_two_mean = _whole(model[0], _images())[0], _whole(model[0], _images(), 64)[0]
+    assert (every_mean - first_two_mean).abs().min() > 0.1  # the first two batches lie apart
+    # The two batches are a sample of every step of the climbing mean, not its first two.
+    steps = {int(offset) for images in seen for offset in images.mean(dim=(1, 2, 3)).round()}
+    assert len(steps) >= 6
+    assert ((_running(model)[0] - every_mean).abs() < (_running(model)[0] - first_two_mean).abs()
+            ).all()
+    again = _model()
+    batchnorm.recompute_module(again, _images(), BATCH, CPU)  # the same sample every call
+    torch.testing.assert_close(_running(again), _running(model), rtol=0, atol=0)
 
 
 def test_a_model_without_running_statistics_is_not_run():
@@ -107,8 +123,7 @@ def test_a_graph_s_statistics_become_the_plain_average_and_its_arguments_are_res
     model = _model(momentum=0.1, dropout=False)
     graph = _exported(copy.deepcopy(model))
     batchnorm.recompute_graph(graph, _images(), BATCH, CPU)
-    torch.testing.assert_close(_running(graph), _plain_average(model[0], _images(), batches=8),
-                               rtol=1e-4, atol=1e-5)
+    _assert_over_every_image(_running(graph), model[0], _images())
     (node,) = batchnorm.graph_nodes(graph)
     assert node.args[5] is True and node.args[6] == 0.1
     assert "True, 0.1," in graph.code  # and in the code the graph runs
