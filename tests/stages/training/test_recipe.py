@@ -23,8 +23,8 @@ def test_the_recorded_recipe_is_what_the_training_parts_are_built_with():
     decayed, exempt = sgd.param_groups  # kernels decay; BatchNorm and biases do not
     assert decayed["weight_decay"] == said["weight_decay"] == 1e-4
     assert exempt["weight_decay"] == 0 and all(p.ndim <= 1 for p in exempt["params"])
-    # 30 epochs of 21 steps: a tenth is 63 steps, more than the two epochs (42) the warm-up
-    # may take at most, as the recipe says; the rate then falls to zero at the last step.
+    # A tenth of 30 epochs' steps is more than the two epochs the warm-up may take at most, as
+    # the recipe says; the rate then falls to zero at the last step.
     steps = 30 * len(parts.loader)
     schedule = parts.scheduler.lr_lambdas[0]
     assert schedule.warmup_steps == 2 * len(parts.loader) and "at most 2 epochs" in said[
