@@ -25,8 +25,8 @@ def _over_batches(forward: Callable, dataset, batch_size: int, device,
                   before: Callable[[int], None] = lambda i: None) -> None:
     """Up to BATCHES batches of a seeded sample in shuffled order, the same every call. Not the
     first images: an image folder lists its classes in order, and batches of one class each
-    gave BatchNorm the variance within a class, not across them, from the first 6,400 of
-    photos10's 9,000 training images, 7 of its 10 classes."""
+    gave BatchNorm the variance within a class, not across them; photos10's first 6,400 of 9,000
+    training images were 7 of its classes whole, 100 images of an eighth and none of the rest."""
     import torch
 
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
