@@ -131,7 +131,8 @@ REPORT = {
     "max_rounds": Flag("Rounds of timing at most."),
     "repeats": Flag("Timed calls per variant in each round; 0: as many as fill 50 ms."),
     "target_interval": Flag("Time until every speed-up against the fastest float has a 95% "
-                            "interval with high/low at most this.", metavar="RATIO"),
+                            "interval with high/low at most this, or wholly below its "
+                            "inverse (that much slower).", metavar="RATIO"),
     "timing_budget": Flag("Stop adding rounds after this long, per batch size.",
                           metavar="SECONDS"),
     "warmup": Flag("Untimed calls first."),

@@ -241,7 +241,11 @@ def within_noise(interval: dict) -> bool:
 def narrow_enough(reference_names: set[str], target: float,
                   resamples: int = 400) -> Callable[[dict[str, Timing]], bool]:
     """A ``done`` test for interleaved: every variant's speed-up against the fastest of
-    ``reference_names`` (the float variants) has an interval with high/low at most ``target``."""
+    ``reference_names`` (the float variants) has an interval with high/low at most ``target``,
+    or lies wholly below 1/``target``. A variant slower than the fastest float beyond that
+    margin is not what a verdict hangs on, and at sub-millisecond calls its interval may never
+    narrow: in the default chain's report on Zen 4 (batch 1), fp32-compiled's stayed 0.22-0.28x
+    over 36 rounds, and every batch-1 session ran out its 20 s budget."""
 
     def done(timings: dict[str, Timing]) -> bool:
         medians = {n: statistics.median(s for r in t.rounds for s in r)
@@ -253,7 +257,8 @@ def narrow_enough(reference_names: set[str], target: float,
         for name, timing in timings.items():
             if name != fastest:
                 interval = speedup(timings[fastest], timing, resamples=resamples)
-                if interval["high"] > target * interval["low"]:
+                narrow = interval["high"] <= target * interval["low"]
+                if not narrow and interval["high"] * target >= 1.0:
                     return False
         return True
 

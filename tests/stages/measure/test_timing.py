@@ -120,6 +120,20 @@ def test_rounds_stop_as_soon_as_every_interval_is_narrow_enough():
     assert len(budgeted["int8"].rounds) == 7
 
 
+def test_a_variant_far_slower_than_the_fastest_float_needs_no_narrow_interval():
+    def rounds_of(base: float) -> int:
+        clock = [0.0]
+        calls = {"float": Noisy(clock, 0.002, [1.0]),
+                 "other": Noisy(clock, base, [1.0, 1.6, 0.7, 1.3])}
+        timings = timing.interleaved(calls, rounds=5, repeats=100, warmup=0, max_rounds=30,
+                                     done=timing.narrow_enough({"float"}, 1.1),
+                                     clock=lambda: clock[0], idle=lambda: 0.0)
+        return len(timings["other"].rounds)
+
+    assert rounds_of(0.008) == 5  # 0.25x, give or take its noise: settled at the minimum
+    assert rounds_of(0.0021) == 30  # near the fastest float its interval must narrow
+
+
 def test_speedup_is_a_ratio_of_medians_with_an_interval_over_rounds():
     slow = timing.Timing([[0.004] * 5 for _ in range(6)])
     fast = timing.Timing([[0.002] * 5 for _ in range(6)])
