@@ -80,12 +80,18 @@ def selection_set(splits: DataSplits, calibration_samples: int, seed: int,
     plus training images that calibration did not see, at most ``limit``. Never test images.
     Quantization damage is a difference between two models on the same images, so training
     images serve, and make the set large enough that one flipped image does not decide.
-    Only the chosen images are ever decoded (a large training split is not read whole)."""
+    Only the chosen images are ever decoded (a large training split is not read whole).
+    A validation split larger than ``limit`` gives a seeded sample of itself, in order: its
+    first images would be its first classes where it lists them in order (an image folder),
+    as photos10's first training images were 7 of its 10 classes (stages/training/batchnorm.py)."""
     import torch
 
-    from_val = min(len(splits.val), limit)
-    unseen = _calibration_order(splits, seed)[calibration_samples:][:limit - from_val]
-    parts = [torch.utils.data.Subset(splits.val, range(from_val)),
+    val = range(len(splits.val))
+    if len(val) > limit:
+        order = torch.randperm(len(val), generator=torch.Generator().manual_seed(seed))
+        val = sorted(order[:limit].tolist())
+    unseen = _calibration_order(splits, seed)[calibration_samples:][:limit - len(val)]
+    parts = [torch.utils.data.Subset(splits.val, val),
              torch.utils.data.Subset(splits.calibration, unseen)]
     return torch.utils.data.ConcatDataset(parts)
 

@@ -137,12 +137,13 @@ def score(run: Run, name: str, variant: str, made, splits, selection, reference:
 
 def _judged_indices(selection, images: str) -> list[int]:
     """Indices into the selection set of the images ``images`` names. selection_set puts the
-    validation split first; a fine-tuned variant is judged on the half of it that qat did not
-    choose its epoch on."""
-    validation = len(selection.datasets[0])
+    validation split (or its sample) first; a fine-tuned variant is judged on those of its
+    images in the half of the split that qat did not choose its epoch on."""
+    validation = selection.datasets[0].indices  # into the validation split
+    judging = set(validation_halves(len(selection.datasets[0].dataset))[1])
     return {SELECTION_WORDS: list(range(len(selection))),
-            BASELINE_WORDS: list(range(validation)),
-            VALIDATION_WORDS: validation_halves(validation)[1]}[images]
+            BASELINE_WORDS: list(range(len(validation))),
+            VALIDATION_WORDS: [i for i, v in enumerate(validation) if v in judging]}[images]
 
 
 def compare_with_reference(rows: list[dict], logits: dict, reference: str) -> None:

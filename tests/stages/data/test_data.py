@@ -64,6 +64,33 @@ def test_the_selection_images_are_streamed_not_decoded_whole():
     assert len(images) == 1024 and val.decoded == 300 and train.decoded == 724
 
 
+def test_a_class_sorted_validation_split_larger_than_the_selection_gives_every_class():
+    """An image folder lists its classes in order: the selection's validation part must span
+    them, and the images a fine-tuned variant is judged on must stay out of qat's half."""
+    from stages.data.datasets import DataSplits
+    from stages.data.subsets import selection_set, validation_halves
+    from stages.report.measuring import BASELINE_WORDS, VALIDATION_WORDS, _judged_indices
+
+    class Sorted(torch.utils.data.Dataset):  # 10 classes of 600 images, class by class
+        def __len__(self):
+            return 6000
+
+        def __getitem__(self, index):
+            return torch.zeros(1, 8, 8), index // 600
+
+    val = Sorted()
+    splits = DataSplits(_Counting(100), val, _Counting(10), _Counting(100), num_classes=10,
+                        in_channels=1, image_size=8)
+    selection = selection_set(splits, calibration_samples=10, seed=0, limit=1024)
+    assert len(selection) == 1024
+    labels = torch.tensor([selection[i][1] for i in range(1024)])
+    assert torch.bincount(labels, minlength=10).min() >= 70  # about 102 of each
+    assert _judged_indices(selection, BASELINE_WORDS) == list(range(1024))
+    judged = [selection.datasets[0].indices[i]
+              for i in _judged_indices(selection, VALIDATION_WORDS)]
+    assert 400 < len(judged) < 624 and set(judged) <= set(validation_halves(6000)[1])
+
+
 def test_the_stratified_split_shares_the_held_out_part_among_classes_in_proportion():
     labels = np.array([0] * 50 + [1] * 30 + [2] * 3 + [3] * 2)
     kept, held = stratified_split(labels, 0.2, seed=0)
