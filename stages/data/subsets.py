@@ -27,15 +27,14 @@ def calibration_batches(splits: DataSplits, num_samples: int, batch_size: int, s
     if len(splits.calibration) == 0:
         raise ValueError("the training split is empty; static quantization needs calibration data")
     chosen = torch.utils.data.Subset(splits.calibration,
-                                     _calibration_order(splits, seed)[:num_samples])
+                                     _seeded_order(len(splits.calibration), seed)[:num_samples])
     return [images for images, _ in make_loader(chosen, batch_size)]
 
 
-def _calibration_order(splits: DataSplits, seed: int) -> list[int]:
+def _seeded_order(size: int, seed: int) -> list[int]:
     import torch
 
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randperm(len(splits.calibration), generator=generator).tolist()
+    return torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def check_calibration(batches: list, shape: tuple[int, int, int]) -> None:
@@ -88,9 +87,8 @@ def selection_set(splits: DataSplits, calibration_samples: int, seed: int,
 
     val = range(len(splits.val))
     if len(val) > limit:
-        order = torch.randperm(len(val), generator=torch.Generator().manual_seed(seed))
-        val = sorted(order[:limit].tolist())
-    unseen = _calibration_order(splits, seed)[calibration_samples:][:limit - len(val)]
+        val = sorted(_seeded_order(len(val), seed)[:limit])
+    unseen = _seeded_order(len(splits.calibration), seed)[calibration_samples:][:limit - len(val)]
     parts = [torch.utils.data.Subset(splits.val, val),
              torch.utils.data.Subset(splits.calibration, unseen)]
     return torch.utils.data.ConcatDataset(parts)

@@ -245,7 +245,7 @@ def narrow_enough(reference_names: set[str], target: float,
     or lies wholly below 1/``target``. A variant slower than the fastest float beyond that
     margin is not what a verdict hangs on, and at sub-millisecond calls its interval may never
     narrow: in the default chain's report on Zen 4 (batch 1), fp32-compiled's stayed 0.22-0.28x
-    over 36 rounds, and every batch-1 session ran out its 20 s budget."""
+    over 36 rounds, and the session ran out its 20 s budget."""
 
     def done(timings: dict[str, Timing]) -> bool:
         medians = {n: statistics.median(s for r in t.rounds for s in r)
