@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from stages.models.build import initialisation
 from stages.run.checkpoints import with_metadata
 from stages.run.errors import PipelineError, UsageError
 from stages.run.loading import load_checkpoint
@@ -130,3 +131,12 @@ def initial_weights(config, model) -> list[str]:
         return load_into(model, read_state_dict(path), f"{config.weights} ({path})",
                          adapt=True)
     return []
+
+
+def starting_weights(config, splits) -> str:
+    """What training starts from, in words for the run's recipe."""
+    if config.init_weights:
+        return f"the weights in {config.init_weights}"
+    if config.weights:
+        return f"torchvision's {config.weights} weights for {config.model}"
+    return initialisation(config.model, splits.num_classes, splits.in_channels, splits.image_size)

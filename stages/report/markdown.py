@@ -355,6 +355,8 @@ def _recipe_sentence(recipe: dict) -> str:
     return (f" {recipe['optimizer']}, batches of {recipe['batch_size']}, weight decay "
             f"{recipe['weight_decay']:g} on {recipe['weight_decay_on']}, "
             f"{recipe['schedule']}; {smoothing}; {averaging}; "
+            + (f"initial weights: {recipe['initialisation']}; " if "initialisation" in recipe
+               else "")
             + ("training images not augmented." if recipe["augmentation"] == "none"
                else f"training images given {recipe['augmentation']}."))
 

@@ -22,7 +22,7 @@ from typing import Callable, ContextManager
 from stages.data.datasets import DataSplits
 from stages.data.loaders import EpochSampler, make_loader
 from stages.models.build import build_model
-from stages.models.weights import initial_weights
+from stages.models.weights import initial_weights, starting_weights
 from stages.run.checkpoints import cpu_state_dict, restore_rng, rng_state
 from stages.run.progress import progress
 from stages.training import distributed
@@ -117,7 +117,7 @@ def recipe(config, splits: DataSplits) -> dict:
             "schedule": f"linear warm-up over a tenth of the steps (at most {WARMUP_EPOCHS} "
                         "epochs), then a cosine to zero",
             "label_smoothing": config.label_smoothing, "augmentation": splits.augmentation,
-            "weight_averaging": "none"}
+            "weight_averaging": "none", "initialisation": starting_weights(config, splits)}
 
 
 def endless_batches(parts: Parts):

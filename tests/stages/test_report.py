@@ -427,8 +427,8 @@ def test_report_markdown_says_what_it_chose_on_and_what_it_measured(tiny_run):
     assert "rotated each round" in markdown_text
     recipe = tiny_run["run"].recorded_config("train")["recipe"]  # as training kept it
     assert data["recipe"] == recipe and recipe["batch_size"] == 64
-    assert "no label smoothing; no averaging of weights; training images not augmented." in (
-        markdown_text)
+    assert ("no label smoothing; no averaging of weights; initial weights: the model's own; "
+            "training images not augmented.") in markdown_text
 
 
 def _every_row_has_its_latencies(data, markdown_text, batch_sizes):

@@ -2,7 +2,13 @@
 import pytest
 import torch
 
-from stages.models.build import build_model, check_model_fits, check_model_name, known_models
+from stages.models.build import (
+    build_model,
+    check_model_fits,
+    check_model_name,
+    initialisation,
+    known_models,
+)
 from stages.run.errors import PipelineError, UsageError
 
 CPU = torch.device("cpu")
@@ -44,6 +50,28 @@ def test_a_head_at_or_below_pytorchs_own_scale_keeps_its_initialisation(name):
     original = [m for m in torchvision.models.get_model(name, weights=None, num_classes=10)
                 .modules() if isinstance(m, torch.nn.Linear)][-1]
     assert torch.equal(head.weight, original.weight)
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v2", "mobilenet_v3_large", "efficientnet_b0",
+                                  "mnasnet0_5"])
+def test_each_residual_block_of_a_depthwise_family_starts_as_the_identity(name):
+    """Their last BatchNorm's scale is zeroed (each block's output is its input, so the
+    network starts shallow and learns fast enough for a range test to read); ResNets keep
+    torchvision's BatchNorm scales of one."""
+    torch.manual_seed(0)
+    model = build_model(name, num_classes=10, in_channels=3).eval()
+    seen = []
+    for block in model.modules():
+        if getattr(block, "use_res_connect", False) or getattr(block, "apply_residual", False):
+            block.register_forward_hook(lambda m, args, out: seen.append((args[0], out)))
+    model(torch.randn(2, 3, 32, 32))
+    assert len(seen) >= 6 and all(torch.equal(given, out) for given, out in seen)
+    assert initialisation(name, 10, 3, 32).endswith(
+        f"each of its {len(seen)} residual blocks zeroed (each starts as the identity)")
+    resnet = build_model("resnet18", num_classes=10, in_channels=3)
+    assert all(bool((m.weight == 1).all()) for m in resnet.modules()
+               if isinstance(m, torch.nn.BatchNorm2d))
+    assert initialisation("resnet18", 10, 3, 32) == "torchvision's"
 
 
 def test_unknown_model_lists_the_known_ones():

@@ -39,8 +39,10 @@ def test_the_report_says_the_recipe_in_words():
     assert _recipe_sentence(said) == (
         " SGD with Nesterov momentum 0.9, batches of 64, weight decay 0.0005 on weights and "
         "kernels (not BatchNorm or biases), linear warm-up over a tenth of the steps (at most 2 "
-        "epochs), then a cosine to zero; no label smoothing; no averaging of weights; training "
-        "images not augmented.")
+        "epochs), then a cosine to zero; no label smoothing; no averaging of weights; initial "
+        "weights: the model's own; training images not augmented.")
+    started = recipe(TrainConfig(**TINY_TRAIN | {"init_weights": __file__}), splits)
+    assert started["initialisation"] == f"the weights in {__file__}"
     shifted = _recipe_sentence(said | {"label_smoothing": 0.1,
                                        "augmentation": "random shifts of up to 4 pixels"})
     assert "; label smoothing 0.1;" in shifted
