@@ -9,16 +9,18 @@ it passes DIVERGED times its lowest value. The peak learning rate chosen is a fi
 (BELOW_CLIMB) of the learning rate where, past its minimum, the smoothed loss first climbs CLIMB
 times its lowest value, and at most CEILING_PER_256 per 256 images a step.
 
-A network that learns slowly from chance (efficientnet_b0 on notMNIST, its classifier at
-PyTorch's default scale) may not move its loss in MAX_STEPS steps of one each per learning rate:
-where the loss never fell, the test runs once more over LONG_STEPS, each learning rate held
-three times as long. Where that one cannot be read either (mobilenet_v2 on photos10: 2.33 to
-2.31 in 150 steps, 2.32 to 2.23 in 450; docs/measurements.md), PROBE_STEPS steps at Goyal et
-al.'s linear-scaling rule and at quarters of it, each from the same weights, pick the rate with
-the lowest validation loss, once that loss is below guessing the classes' shares beyond noise.
+A network that learns slowly from chance (efficientnet_b0, mobilenet_v2 and mnasnet0_5 on
+photos10 in fp32, their residual blocks started as the identity) may not move its loss in
+MAX_STEPS steps of one each per learning rate: where the loss never fell, the test runs once
+more over LONG_STEPS, each learning rate held three times as long. Where that one cannot be
+read either (mobilenet_v2 on photos10 before models/build.py started those blocks as the
+identity: 2.33 to 2.31 in 150 steps, 2.32 to 2.23 in 450), PROBE_STEPS steps at Goyal et al.'s
+linear-scaling rule and at quarters of it, each from the same weights, pick the rate with the
+lowest validation loss, once that loss is below guessing the classes' shares beyond noise.
 Where no rate gets there, the data decides (`pixels_predict_labels`): a slow starter on images
-whose pixels predict their labels (mnasnet0_5 on photos10) trains at the lowest loss, and labels
-that do not belong to the images (shuffled) are refused as such.
+whose pixels predict their labels (mnasnet0_5 on photos10 on the AMX Xeon, before its blocks
+started as the identity) trains at the lowest loss, and labels that do not belong to the images
+(shuffled) are refused as such.
 
 The steepest descent is recorded and plotted, not chosen: on networks whose loss falls at any
 learning rate at first (a poor initial scale, or easy early progress), it sits at the test's
