@@ -140,39 +140,45 @@ def build_model(name: str, num_classes: int, in_channels: int, image_size: int =
     return model
 
 
-def zero_last_norm_of_residual_blocks(model) -> int:
+def zero_last_norm_of_residual_blocks(model) -> None:
     """Zero the scale of the last BatchNorm in each inverted-residual block (torchvision's
     MobileNet V2 and V3, EfficientNet, MNASNet), so each block starts as the identity: Goyal et
     al. (2017) for ResNets, torchvision's `zero_init_residual`, timm's `zero_init_last`. From
     PyTorch's defaults these depthwise stacks learn too slowly for a range test to read: on
     photos10 in fp32, 450 steps from 1e-3 to 1 moved mobilenet_v2's smoothed loss from 2.33 to
     2.24 and efficientnet_b0's from 2.38 to 2.26, and three probes of 450 steps then took 37 to
-    60% of --time 10m; zeroed, the same tests read 2.33 to 2.13 and 2.37 to 2.09
-    (docs/measurements.md). ResNets keep torchvision's: zeroed, resnet18 scored 68.85% there
-    against 68.80%, its first test no longer read and the second capped at 0.05. Returns the
-    blocks zeroed (counted on the meta device too, where there is nothing to zero)."""
+    60% of --time 10m; zeroed, the same tests read 2.33 to 2.13 and 2.37 to 2.09 (`range_test`
+    alone, Zen 4, 2026-12-06; the trainings in docs/measurements.md). ResNets keep torchvision's:
+    zeroed, resnet18 scored 68.85% there against 68.80%, its first test no longer read and the
+    second capped at 0.05."""
     from torch import nn
 
-    zeroed = 0
-    for block in model.modules():
-        if getattr(block, "use_res_connect", False) or getattr(block, "apply_residual", False):
-            norms = [m for m in block.modules() if isinstance(m, nn.BatchNorm2d)]
-            if norms:
-                if not norms[-1].weight.is_meta:
-                    nn.init.zeros_(norms[-1].weight)
-                zeroed += 1
-    return zeroed
+    for norm in _last_norms_of_residual_blocks(model):
+        if not norm.weight.is_meta:  # shapes only (check_model_fits): no values
+            nn.init.zeros_(norm.weight)
+
+
+def _last_norms_of_residual_blocks(model) -> list:
+    """The last BatchNorm of each block that adds its input back (`use_res_connect` in
+    MobileNet V2/V3 and EfficientNet, `apply_residual` in MNASNet)."""
+    from torch import nn
+
+    blocks = [block for block in model.modules() if getattr(block, "use_res_connect", False)
+              or getattr(block, "apply_residual", False)]
+    norms = [[m for m in block.modules() if isinstance(m, nn.BatchNorm2d)] for block in blocks]
+    return [found[-1] for found in norms if found]
 
 
 def initialisation(name: str, num_classes: int, in_channels: int, image_size: int) -> str:
-    """How build_model initialises the model, in words for the run's recipe."""
+    """How build_model initialises the model, in words for the run's recipe (the blocks counted
+    on a model built on the meta device: shapes only, no values)."""
     import torch
 
     if name in BUILTIN_MODELS or name.startswith("timm:") or USER_MODEL.match(name):
         return "the model's own"
     with torch.device("meta"):
-        zeroed = zero_last_norm_of_residual_blocks(
-            build_model(name, num_classes, in_channels, image_size))
+        zeroed = len(_last_norms_of_residual_blocks(
+            build_model(name, num_classes, in_channels, image_size)))
     return ("torchvision's" if not zeroed else
             f"torchvision's, the last BatchNorm of each of its {zeroed} residual "
             "blocks zeroed (each starts as the identity)")
