@@ -75,11 +75,11 @@ def test_a_module_s_statistics_become_the_plain_average_and_nothing_else_changes
     assert [m.training for m in model.modules()] == [training] * len(list(model.modules()))
 
 
-def test_at_most_batches_batches_are_averaged_drawn_from_the_whole_set(monkeypatch):
+def test_at_most_images_whole_batches_are_averaged_drawn_from_the_whole_set(monkeypatch):
     model = _model()
     seen = []
     model.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0]))
-    monkeypatch.setattr(batchnorm, "BATCHES", 2)
+    monkeypatch.setattr(batchnorm, "IMAGES", 2 * BATCH + BATCH // 2)
     batchnorm.recompute_module(model, _images(), BATCH, CPU)
     assert [len(images) for images in seen] == [BATCH, BATCH]
     every_mean, first_two_mean = _whole(model[0], _images())[0], _whole(model[0], _images(), 64)[0]
