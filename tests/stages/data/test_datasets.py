@@ -109,6 +109,31 @@ def test_imagefolder_split_or_train_val_folders(tmp_path):
     assert "RandomHorizontalFlip" in _kinds(both.train) and "flips" in both.augmentation
 
 
+def test_imagefolder_decodes_each_file_once_into_the_pixels_torchvision_gives(tmp_path,
+                                                                           monkeypatch):
+    """12x12 PNGs at --image-size 16: the pixels torchvision's own loader and Resize give, and
+    kept, so that no file is opened again; past the memory budget they are read each time."""
+    from torchvision import transforms as T
+
+    from stages.data import torchvision_sets
+
+    root = _png_folder(tmp_path / "flat", per_class=20)
+    splits = load_dataset("imagefolder", image_size=16, seed=0, data_dir=root)
+    mean, std = torchvision_sets.STATS["imagefolder"]
+    reference = datasets.ImageFolder(str(root), transform=T.Compose(
+        [T.Resize((16, 16)), T.ToTensor(), T.Normalize(mean, std)]))
+    expected = [reference[i][0] for i in splits.test.indices]
+    monkeypatch.setattr(torchvision_sets, "DECODED_BYTES", 0)
+    unkept = load_dataset("imagefolder", image_size=16, seed=0, data_dir=root)
+    for path in root.rglob("*.png"):
+        path.unlink()
+    for i, image in enumerate(expected):
+        assert torch.equal(splits.test[i][0], image)
+    assert splits.train[0][0].shape == (3, 16, 16)  # augmented afresh from the kept pixels
+    with pytest.raises(FileNotFoundError):
+        unkept.test[0]
+
+
 def test_missing_data_names_the_folder_and_files(tmp_path):
     with pytest.raises(PipelineError) as raised:
         load_dataset("mnist", image_size=28, seed=0, data_dir=tmp_path)
