@@ -37,7 +37,8 @@ from stages.run.artifacts import open_run
 from stages.run.trained import float_source
 from stages.runtimes import openvino
 from stages.runtimes.pytorch import load_float_module
-from stages.training.loop import CosineSchedule, decay_groups
+from stages.training.loop import decay_groups
+from stages.training.schedule import CosineSchedule
 
 COMPARED = ("openvino-qat", "openvino-int8", "openvino-fp32")
 

@@ -30,8 +30,9 @@ from stages.run.progress import say
 from stages.runtimes import qat as qat_runtime
 from stages.runtimes.context import QuantContext, context
 from stages.training import batchnorm, plans
-from stages.training.loop import CosineSchedule, Hooks, Loop, Parts, Seen, decay_groups, fit
+from stages.training.loop import Hooks, Loop, Parts, Seen, decay_groups, fit
 from stages.training.precision import Precision, grad_scaler, resolve_device, seed_everything
+from stages.training.schedule import CosineSchedule
 
 
 def switch_off_stochastic_depth(model) -> list[str]:

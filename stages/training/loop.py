@@ -14,7 +14,6 @@ the host after each step.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, ContextManager
@@ -28,27 +27,9 @@ from stages.run.progress import progress
 from stages.training import distributed
 from stages.training.layout import layout_that_runs
 from stages.training.precision import Precision, autocast, grad_scaler, seed_everything
+from stages.training.schedule import WARMUP_EPOCHS, CosineSchedule
 
 LOG_EVERY_CUDA = 50
-# The warm-up: a tenth of the planned steps, at most two epochs (it had been one). Depthwise
-# stacks, a BatchNorm after every convolution, are the ones that come apart early at a high
-# peak: efficientnet_b0 at 0.05 sat at 12% after two epochs of a 20-epoch plan (2026-12-02).
-WARMUP_EPOCHS = 2
-
-
-class CosineSchedule:
-    """Linear warm-up, then cosine decay to zero at ``total_steps``: LambdaLR's factor. An
-    object rather than a closure, so that a time budget can re-plan ``total_steps`` after an
-    epoch (train --time) and LambdaLR's state_dict saves it for a resume."""
-
-    def __init__(self, total_steps: int, warmup_steps: int) -> None:
-        self.total_steps, self.warmup_steps = total_steps, warmup_steps
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        done = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, done)))
 
 
 def decay_groups(model, weight_decay: float) -> list[dict]:

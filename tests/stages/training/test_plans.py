@@ -1,0 +1,71 @@
+"""train --time: the epochs planned again after each one at the pace so far, with the cosine
+going on from the rate reached."""
+from types import SimpleNamespace
+
+import torch
+
+from stages.training.loop import Loop
+from stages.training.plans import anneal_on_plateau, planned_end
+from stages.training.schedule import CosineSchedule
+
+STEPS = 10  # a loader's batches an epoch
+
+
+def _loop(epochs: int = 200) -> Loop:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = CosineSchedule(epochs * STEPS, warmup_steps=2 * STEPS)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    parts = SimpleNamespace(optimizer=optimizer, scheduler=scheduler, loader=range(STEPS))
+    return Loop("amp", parts, precision=None, device=None, epochs=epochs, batch_size=64,
+                quiet=True)
+
+
+def _train(loop: Loop, paces: list[float], budget: float, patience: int = 0):
+    """Epochs that took ``paces`` seconds each, as train's epoch end plans them: the rate of
+    every step, the plan after every epoch, and why training ended."""
+    rates, plans, epoch = [], [], 0
+    while True:
+        epoch += 1
+        for _ in range(STEPS):
+            rates.append(loop.parts.optimizer.param_groups[0]["lr"])
+            loop.parts.optimizer.step()
+            loop.parts.scheduler.step()
+        loop.totals.wall += paces[epoch - 1]
+        stopped = planned_end(loop, epoch, budget)
+        if patience and not stopped:
+            anneal_on_plateau(loop, epoch, patience)
+        plans.append(loop.planned_epochs)
+        if stopped:
+            return rates, plans, stopped
+
+
+def test_a_plan_grows_when_epochs_get_faster_and_the_rate_never_rises_after_warm_up():
+    """A first epoch of 25 s (warm-up, a busy hour), then 10 s each, in 100 s: 4 epochs fit at
+    first and 8 in the end, all of them run, and the rate falls from the warm-up on to nearly
+    zero at the last step."""
+    rates, plans, stopped = _train(_loop(), [25.0] + [10.0] * 20, budget=100.0)
+    assert plans == [4, 5, 6, 7, 7, 8, 8, 8]
+    assert stopped == "time: 8 epochs fit --time (100 s for this model)"
+    cosine = rates[2 * STEPS:]
+    assert all(later <= earlier for earlier, later in zip(cosine, cosine[1:]))
+    assert rates[2 * STEPS - 1] == 1.0 and rates[-1] < 0.01
+
+
+def test_a_plan_shrinks_when_epochs_get_slower_without_a_step_in_the_rate():
+    rates, plans, stopped = _train(_loop(), [10.0] * 3 + [30.0] * 20, budget=120.0)
+    assert plans == [12, 12, 12, 8, 6, 6]
+    # Re-planned after epochs 4 and 5: the rate of the step after (whose rate was set before
+    # the plan changed) is the first of the new plan, and falls about as the one before did.
+    for first in (4 * STEPS + 1, 5 * STEPS + 1):
+        fall = rates[first - 1] - rates[first]
+        assert 0 <= fall < 1.5 * (rates[first - 2] - rates[first - 1])
+
+
+def test_a_plateau_ends_training_where_it_said_whatever_the_pace():
+    """Validation never improves after epoch 1 (patience 2): after epoch 3 the plateau cuts
+    the schedule to end at epoch 5, and a pace that fits more epochs does not stretch it."""
+    loop = _loop()
+    loop.totals.best_epoch = 1
+    rates, plans, stopped = _train(loop, [30.0] + [5.0] * 20, budget=200.0, patience=2)
+    assert plans == [6, 11, 5, 5, 5] and stopped.startswith("plateau: ")
+    assert rates[-1] < 0.05
