@@ -17,9 +17,10 @@ from typing import Callable
 from stages.data.loaders import make_loader
 
 # At most this many training images recompute the statistics, in a forward pass every score
-# pays for: 6,400 (100 batches) cost mobilenet_v2 5.2 s of a 16 s epoch on photos10 and
-# efficientnet_b0 about 15 s of 26 (Zen 4). The trained models' validation accuracy with 6,400,
-# 3,200, 1,600 and 640 images was the same within noise.
+# pays for: with 6,400 (100 batches) mobilenet_v2's epochs on photos10 took about 18.5 s, with
+# 1,600 16 s, and efficientnet_b0's 26 and 23 s (Zen 4, --time 10m: 28 and 30 epochs, 19 and
+# 20). The trained models' validation accuracy with 6,400, 3,200, 1,600 and 640 images was the
+# same within noise.
 IMAGES = 1_600
 GRAPH_OPS = ("aten.batch_norm.default", "aten._native_batch_norm_legit.default",
              "aten.cudnn_batch_norm.default")

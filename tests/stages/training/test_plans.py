@@ -41,14 +41,22 @@ def _train(loop: Loop, paces: list[float], budget: float, patience: int = 0):
 
 def test_a_plan_grows_when_epochs_get_faster_and_the_rate_never_rises_after_warm_up():
     """A first epoch of 25 s (warm-up, a busy hour), then 10 s each, in 100 s: 4 epochs fit at
-    first and 8 in the end, all of them run, and the rate falls from the warm-up on to nearly
-    zero at the last step."""
+    first and 8 in the end, all of them run (the plan grows by two epochs at a time), and the
+    rate falls from the warm-up on to nearly zero at the last step."""
     rates, plans, stopped = _train(_loop(), [25.0] + [10.0] * 20, budget=100.0)
-    assert plans == [4, 5, 6, 7, 7, 8, 8, 8]
+    assert plans == [4, 4, 6, 6, 6, 8, 8, 8]
     assert stopped == "time: 8 epochs fit --time (100 s for this model)"
     cosine = rates[2 * STEPS:]
     assert all(later <= earlier for earlier, later in zip(cosine, cosine[1:]))
     assert rates[2 * STEPS - 1] == 1.0 and rates[-1] < 0.01
+
+
+def test_a_pace_on_the_edge_between_two_plans_does_not_change_the_plan_each_epoch():
+    """At the pace so far 29 epochs fit, then 28, then 29 again, and so on: one cut, after
+    which the plan holds (it had changed every one to three epochs)."""
+    paces = [10.0] * 3 + [10.2, 9.6, 10.2] * 20
+    rates, plans, stopped = _train(_loop(), paces, budget=290.0)
+    assert plans == [29] * 3 + [28] * 25 and stopped.startswith("time: 28 epochs fit")
 
 
 def test_a_plan_shrinks_when_epochs_get_slower_without_a_step_in_the_rate():
