@@ -7,14 +7,13 @@
 
 For each model: trains it with the product's defaults within --train-time (or reuses a run of
 that name whose train stage is complete), runs `quantize` with the defaults and a report at
-batch 32, then `quantize --auto` (which may go on to QAT where no post-training configuration meets the budget,
-and says so) and another report, and prints one row per static int8 variant (and QAT variant
-where --auto made one) and mode: the
-float model's test accuracy, the int8 change on test with Newcombe's paired 95% interval, the
-change on held-out training images (what --auto chose on) and the worst it may be at 95%
-confidence (what the accuracy budget holds), the seconds quantize took, the
-speed-up against the fastest float at batch 32, and whether the report recommends it (with a
-row for the recommended variant where it is not a static one).
+batch 32, then `quantize --auto` (which may go on to QAT where no post-training configuration
+meets the budget, and says so) and another report, and prints one row per static int8 variant
+(and QAT variant where --auto made one) and mode: the float model's test accuracy, the int8
+change on test with Newcombe's paired 95% interval, the change on held-out training images (what
+--auto chose on) and the worst it may be at 95% confidence (what the accuracy budget holds), the
+seconds quantize took, the speed-up against the fastest float at batch 32, and whether the report
+recommends it (with a row for the recommended variant where it is not a static one).
 Made for notMNIST (10 letters, 8,000 training and 2,000 test images in torchvision's MNIST
 layout; `--dataset mnist --data-dir DIR`), a sample of notMNIST in MNIST format posted by its
 converter with the original author's permission: on 2,000 test images one image is 0.05 points.

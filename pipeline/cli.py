@@ -61,9 +61,10 @@ def cli(ctx: click.Context, artifacts_dir, run_name, device, seed, config_file, 
     pipeline import --model mymodels:net --weights net.pt quantize report
     """
     file_values = as_usage_error(cfg.read_config_file, config_file) if config_file else {}
+    default = click.core.ParameterSource.DEFAULT
     ctx.obj = {"file": file_values, "seed": seed, "device": device, "quiet": quiet,
-               "chosen": {}, "given": {key for key in ("seed", "device", "quiet") if
-                                       ctx.get_parameter_source(key) != click.core.ParameterSource.DEFAULT}}
+               "chosen": {}, "given": {key for key in ("seed", "device", "quiet")
+                                       if ctx.get_parameter_source(key) != default}}
     # Given on the command line, the group's values must agree with a stage's; from the
     # environment or by default, a stage's flag overrides them.
     for key, value in (("run_name", run_name), ("artifacts_dir", artifacts_dir)):

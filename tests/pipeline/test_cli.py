@@ -202,7 +202,8 @@ def test_a_qat_that_diverges_under_auto_leaves_the_post_training_variants_standi
             "--methods", "ort-dynamic")
     result = invoke(*args)
     assert result.exit_code == 0, result.stderr
-    assert result.stdout == f"ort-dynamic: {cheap_run.root / cheap_run.entry('ort-dynamic')['path']}\n"
+    dynamic = cheap_run.root / cheap_run.entry("ort-dynamic")["path"]
+    assert result.stdout == f"ort-dynamic: {dynamic}\n"
     assert ("--auto: nothing kept; trying quantization-aware training\n"
             "--auto: quantization-aware training made nothing: qat: the fake-quantized model "
             "diverged at epoch 1 step 3: ...\n") in result.stderr
@@ -219,7 +220,8 @@ def test_quantize_auto_quiet_lists_only_what_it_made(cheap_run):
     result = invoke("--artifacts-dir", str(cheap_run.artifacts_dir), "--quiet", "quantize",
                     "--auto", "--methods", "ort-dynamic")
     assert result.exit_code == 0, result.stderr
-    assert result.stdout == f"ort-dynamic: {cheap_run.root / cheap_run.entry('ort-dynamic')['path']}\n"
+    dynamic = cheap_run.root / cheap_run.entry("ort-dynamic")["path"]
+    assert result.stdout == f"ort-dynamic: {dynamic}\n"
     assert result.stderr == ""
     assert cheap_run.recorded_config("quantize")["auto_verdict"] == (
         "no static int8 variant was made, so there is nothing for QAT to rescue")

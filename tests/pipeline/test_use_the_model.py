@@ -15,7 +15,6 @@ from PIL import Image
 
 import pipeline
 from pipeline.cli import cli
-from stages import runtimes
 from stages.data import preprocess
 from stages.data.datasets import splits_of_run
 from stages.run.errors import UsageError
