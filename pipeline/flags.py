@@ -29,7 +29,7 @@ DATA = {
                     choices=cfg.DATASET_NAMES),
     "data_dir": Flag("Where torchvision data sets or your image folder live.", path="dir"),
     "download": Flag("Let torchvision fetch the data set where the network allows."),
-    "val_fraction": Flag("Share of the training split held out to choose with (best epoch, "
+    "val_fraction": Flag("Share of the training split held out to choose with (the epoch kept, "
                          "--auto, the recommendation)."),
     "image_size": Flag("Side of the square input in pixels."),
     "in_channels": Flag("Input channels of the model; grey images are widened to 3 if asked.",
@@ -45,7 +45,7 @@ TRAIN = DATA | {
                  "fit at the pace so far are planned again, the learning-rate schedule with "
                  "them.", metavar="DURATION", default="no limit"),
     "patience": Flag("Once validation accuracy has not improved for this many epochs, cut "
-                     "the schedule to end this many epochs later; the best epoch is kept.",
+                     "the schedule to end this many epochs later.",
                      metavar="EPOCHS"),
     "batch_size": Flag("Images a step."),
     "lr": Flag("Peak learning rate of SGD (cosine, warm-up); auto: found by a learning-rate "

@@ -4,7 +4,8 @@ quantization loses too much.
 
 torchvision's quantization recipe, scaled to a small data set (10 epochs by default): a low
 learning rate, BatchNorm statistics frozen after half the epochs and the quantization ranges
-after 70% of them, the epoch with the best validation accuracy kept. The epochs are
+after 70% of them, the last epoch kept unless an earlier one was better on validation beyond
+noise (training/choice.py). The epochs are
 stages/training/loop.py's `fit`, the loop train drives too; this stage adds its freezes, scoring
 with the observers off, the --tuning-time plan (stages/training/plans.py) and its divergence
 check. The fine-tuned graph goes to the variants registered for this stage
@@ -23,7 +24,7 @@ from functools import partial
 from stages import runtimes
 from stages.data.loaders import EpochSampler, make_loader
 from stages.data.subsets import validation_halves
-from stages.measure.evaluate import dataset_accuracy
+from stages.measure.evaluate import dataset_hits
 from stages.run.artifacts import Run
 from stages.run.errors import Diverged, PipelineError
 from stages.run.progress import say
@@ -91,7 +92,7 @@ class Tuning:
 
 
 def fine_tune(config, ctx: QuantContext, device) -> qat_runtime.FineTuned:
-    """The prepared QAT graph after fine-tuning (the epoch best on the validation half it
+    """The prepared QAT graph after fine-tuning (the epoch kept on the validation half it
     chooses on, observers off), and the stage's record."""
     import torch
 
@@ -184,17 +185,17 @@ def _check_loss(tuning: Tuning, seen: Seen, epoch: int) -> None:
                        f"{_advice(tuning)}")
 
 
-def _score(tuning: Tuning, epoch: int) -> float:
+def _score(tuning: Tuning, epoch: int):
     """The fake-quantized graph's accuracy on the half of the validation split it chooses on.
     Observers left on would fit the quantization ranges to the validation images while scoring
-    them: ranges come from training images only, and the best epoch is kept as scored."""
+    them: ranges come from training images only, and the epoch kept is kept as scored."""
     graph, loop = tuning.graph, tuning.loop
     if epoch <= tuning.plan.freeze_bn_after:  # the statistics it will be frozen with
         batchnorm.recompute_graph(graph, tuning.calibration, tuning.config.batch_size,
                                   loop.device)
     graph.eval()
     qat_runtime.observe(graph, False)
-    return dataset_accuracy(graph, tuning.choosing, loop.device)
+    return dataset_hits(graph, tuning.choosing, loop.device)
 
 
 def _end_epoch(tuning: Tuning, epoch: int, record: dict) -> None:

@@ -3,7 +3,8 @@
 Both see the same seed, initial weights, data order and hyperparameters, so the only difference
 between them is the precision of the forward and backward pass. Both save fp32 master weights:
 AMP changes how a model trains, not what it weighs on disk. model.pt holds the weights of the
-epoch with the best validation accuracy, the one every later stage starts from.
+last epoch, or of an earlier one that was better on validation beyond noise
+(training/choice.py): the model every later stage starts from.
 
 The epochs are training/loop.py's `fit` (qat's loop too); this stage adds checkpoints and
 resume, the --time plan, the --patience stop, metrics.jsonl and the errors for a NaN loss,
@@ -20,7 +21,7 @@ from functools import partial
 from pathlib import Path
 
 from stages.data.datasets import DataSplits, expected_shape, load_splits, record_preprocessing
-from stages.measure.evaluate import dataset_accuracy
+from stages.measure.evaluate import dataset_accuracy, dataset_hits
 from stages.measure.machine import isa
 from stages.models.build import build_model, check_model_fits, model_spec
 from stages.models.weights import initial_weights
@@ -64,8 +65,8 @@ class TrainResult:
     peak_memory_bytes: int
     peak_memory_method: str
     test_accuracy: float
-    val_accuracy: float
-    best_epoch: int
+    val_accuracy: float  # the chosen epoch's
+    chosen_epoch: int
     skipped_steps: int
     optimizer_steps: int
     final_loss: float
@@ -167,7 +168,7 @@ def _score(model: Model) -> float:
     batchnorm.recompute_module(trained, model.splits.calibration, model.config.batch_size,
                                device)
     distributed.sync_buffers(trained)
-    return dataset_accuracy(trained, model.splits.val, device)
+    return dataset_hits(trained, model.splits.val, device)
 
 
 def _end_epoch(model: Model, budget: float | None, epoch: int, record: dict,
@@ -230,7 +231,7 @@ def _finish(model: Model, memory) -> TrainResult:
                  stage="train", parent=variant)
     run.register(variant, model.folder / "model.pt", kind="model", stage="train",
                  config=asdict(config), format="pytorch", model_spec=model.spec,
-                 chosen=f"epoch {loop.totals.best_epoch}, best validation accuracy",
+                 chosen=loop.totals.chosen,
                  initial_weights={"file": config.init_weights, "torchvision": config.weights,
                                   "adapted": loop.parts.notes},
                  training=asdict(result) | {"weights_sha256_all_ranks": digests[0]},
@@ -241,7 +242,8 @@ def _finish(model: Model, memory) -> TrainResult:
 def _result(model: Model, memory) -> TrainResult:
     loop, splits, totals = model.loop, model.splits, model.loop.totals
     last = loop.history[-1] if loop.history else {"loss": float("nan"), "train_accuracy": 0.0}
-    best_record = next((h for h in loop.history if h["epoch"] == totals.best_epoch), last)
+    chosen = next((h for h in loop.history if h["epoch"] == totals.chosen_epoch), last)
+    val_accuracy = chosen.get("val_accuracy", totals.best_val)
     on_cuda = loop.device.type == "cuda"
     return TrainResult(
         variant=model.variant, precision=loop.precision.name, device=str(loop.device),
@@ -250,14 +252,14 @@ def _result(model: Model, memory) -> TrainResult:
         peak_memory_bytes=int(memory.peak) if on_cuda else 0,
         peak_memory_method=memory.method if on_cuda else "",
         test_accuracy=dataset_accuracy(loop.parts.model, splits.test, loop.device),
-        val_accuracy=totals.best_val, best_epoch=totals.best_epoch,
+        val_accuracy=val_accuracy, chosen_epoch=totals.chosen_epoch,
         skipped_steps=totals.skipped,
         optimizer_steps=loop.pos.global_step - totals.skipped, final_loss=last["loss"],
         epochs=model.config.epochs, resumed_from=model.resumed_from,
         epochs_run=len(loop.history), stopped=totals.stopped,
         isa=isa() if not on_cuda else None, memory_format=loop.parts.memory_format,
-        val_at_chance=failures.at_chance(best_record.get("train_accuracy", 0.0),
-                                         totals.best_val, model.chance, len(splits.val)),
+        val_at_chance=failures.at_chance(chosen.get("train_accuracy", 0.0), val_accuracy,
+                                         model.chance, len(splits.val)),
         skipped_images=splits.skipped_images)
 
 
@@ -313,7 +315,7 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
         results.insert(0, _baseline_from_amp(results[-1], run, config, is_main))
     for result in results:
         say(f"trained {result.variant} ({result.precision}): test accuracy "
-            f"{result.test_accuracy:.4f} (epoch {result.best_epoch}, chosen on validation; "
+            f"{result.test_accuracy:.4f} (epoch {result.chosen_epoch}, chosen on validation; "
             f"stopped: {result.stopped or 'resumed at its end'}), "
             f"{result.samples_per_second:.0f} samples/s, {result.skipped_steps} skipped steps",
             quiet=not is_main)

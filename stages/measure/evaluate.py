@@ -75,6 +75,14 @@ def dataset_accuracy(model, dataset, device=None) -> float:
                                      dataset))
 
 
+def dataset_hits(model, dataset, device=None):
+    """Whether ``model``'s top-1 prediction is right, image by image (a bool tensor): what a
+    paired comparison of two models on the same images needs."""
+    logits, labels = predict_dataset(lambda images: predict(model, images, device=device),
+                                     dataset)
+    return logits.argmax(dim=1) == labels if len(labels) else labels.bool()
+
+
 def compare_logits(reference, candidate) -> dict:
     """How far two models' logits are apart on the same inputs."""
     return {

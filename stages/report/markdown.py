@@ -300,7 +300,8 @@ def _training(report: dict) -> list[str]:
                      f"{t['skipped_steps']} |")
     isa = {name: (t.get("isa") or {}) for name, t in training.items()}
     lines += ["", f"{_memory_sentence(training)}. Every later stage starts from model.pt, the "
-              "epoch with the best validation accuracy." + _lr_sentence(report)
+              "epoch in the `chosen` column: the last, unless an earlier one was better on "
+              "validation beyond noise." + _lr_sentence(report)
               + _recipe_sentence(report.get("recipe") or {})]
     for name, found in isa.items():
         if found:

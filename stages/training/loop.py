@@ -1,7 +1,8 @@
 """The one training loop, which the train and qat stages both drive: its parts (the model,
 optimizer, LR schedule, GradScaler and loader built one way), one optimizer step under
 autocast, running sums kept on the device, and `fit`: the epochs from where a model stands to
-its last, keeping the weights of the epoch best on validation.
+its last, keeping the last epoch's weights unless an earlier one was better on validation
+beyond noise (stages/training/choice.py).
 
 What differs between the stages comes in as Hooks: train adds checkpoints, resume, its --time
 plan and --patience; qat its freezes of BatchNorm statistics and observers, its --tuning-time
@@ -24,7 +25,7 @@ from stages.models.build import build_model
 from stages.models.weights import initial_weights, starting_weights
 from stages.run.checkpoints import cpu_state_dict, restore_rng, rng_state
 from stages.run.progress import progress
-from stages.training import distributed
+from stages.training import choice, distributed
 from stages.training.layout import layout_that_runs
 from stages.training.precision import Precision, autocast, grad_scaler, seed_everything
 from stages.training.schedule import WARMUP_EPOCHS, CosineSchedule
@@ -150,6 +151,8 @@ class Totals:
     samples: int = 0  # images trained on
     best_val: float = -1.0  # the best validation accuracy, and its epoch
     best_epoch: int = 0
+    chosen_epoch: int = 0  # the epoch whose weights the model keeps (choice.keep_best)
+    chosen: str = ""  # why that epoch, in words
     wall: float = 0.0  # steps, scoring and checkpoints: the pace a time plan reads
     planned_epochs: int | None = None  # where a time plan cut the epochs
     stopped: str = ""  # why training ended (epochs, time, plateau); "": it goes on
@@ -229,7 +232,8 @@ class Hooks:
     each read of the sums, checkpoint where --checkpoint-every falls inside the epoch, score
     after the steps, end_epoch last."""
 
-    score: Callable[[int], float]  # the model's validation accuracy after an epoch
+    # The model's hits on the validation images after an epoch (a bool tensor, one per image).
+    score: Callable[[int], object]
     # The steps read, the epoch and the global step it began at: raise where they went wrong.
     check: Callable[[Seen, int, int], None]
     # The epoch, its record (already in the history), whether it improved: add the stage's
@@ -262,6 +266,8 @@ class Loop:
     totals: Totals = field(default_factory=Totals)
     history: list = field(default_factory=list)
     best: dict | None = None  # weights of the epoch with the best validation accuracy
+    best_hits: object = None  # its hits on the validation images (a bool tensor)
+    last_hits: object = None  # the last scored epoch's
     in_a_row: object = None  # GradScaler's skips in a row, carried across epochs
 
     @property
@@ -275,7 +281,8 @@ class Loop:
                 "scheduler": self.parts.scheduler.state_dict(),
                 "scaler": self.parts.scaler.state_dict(), "position": asdict(self.pos),
                 "sums": asdict(self.sums), "totals": asdict(self.totals),
-                "history": list(self.history), "rng": rng_state()}
+                "history": list(self.history), "rng": rng_state(),
+                "val_hits": {"best": self.best_hits, "last": self.last_hits}}
 
     def restore(self, state: dict, best: dict | None) -> None:
         for part in ("model", "optimizer", "scheduler", "scaler"):
@@ -286,12 +293,14 @@ class Loop:
                  if name in Totals.__dataclass_fields__}  # older checkpoints held in_a_row
         self.totals = Totals(**asdict(self.totals) | known)
         self.history, self.best = state["history"], best
+        hits = state.get("val_hits") or {}
+        self.best_hits, self.last_hits = hits.get("best"), hits.get("last")
         restore_rng(state["rng"])
 
 
 def fit(loop: Loop, hooks: Hooks) -> None:
     """Train from where ``loop`` stands until its planned epochs are done or end_epoch set
-    totals.stopped, then load the weights of the epoch best on validation."""
+    totals.stopped, then keep the last epoch's weights or load the best's (choice.keep_best)."""
     steps_per_epoch = len(loop.parts.loader)
     while loop.pos.epoch <= loop.planned_epochs and not loop.totals.stopped:
         epoch = loop.pos.epoch
@@ -303,7 +312,8 @@ def fit(loop: Loop, hooks: Hooks) -> None:
             _end_epoch(loop, hooks, epoch, seen)
             loop.totals.wall += time.perf_counter() - started  # scoring, checkpoints
         loop.pos.epoch, loop.pos.step_in_epoch = epoch + 1, 0
-    if loop.best is not None:
+    if loop.best is not None and choice.keep_best(loop.totals, loop.history, loop.best_hits,
+                                                  loop.last_hits):
         loop.parts.model.load_state_dict(loop.best)
 
 
@@ -369,13 +379,16 @@ def _end_epoch(loop: Loop, hooks: Hooks, epoch: int, seen: Seen) -> None:
     """Score the validation split, keep the best weights, and record the epoch."""
     epoch_sums = _with(loop.sums, seen)
     loop.totals.samples += epoch_sums.seen
-    val_acc = hooks.score(epoch)
+    hits = hooks.score(epoch)
+    val_acc = int(hits.sum()) / len(hits) if len(hits) else float("nan")
     record = {"epoch": epoch, "loss": epoch_sums.loss / epoch_sums.seen,
               "train_accuracy": epoch_sums.correct / epoch_sums.seen, "val_accuracy": val_acc}
     improved = val_acc > loop.totals.best_val
     if improved:
         loop.totals.best_val, loop.totals.best_epoch = val_acc, epoch
         loop.best = cpu_state_dict(loop.parts.model, clone=True)
+        loop.best_hits = hits
+    loop.last_hits = hits
     loop.history.append(record)
     loop.sums = EpochSums()
     hooks.end_epoch(epoch, record, improved)

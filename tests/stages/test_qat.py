@@ -218,7 +218,7 @@ def test_validation_images_never_move_the_quantization_ranges(tmp_path, monkeypa
     run = artifacts.create_run(tmp_path, "ranges")
     train.run(TrainConfig(**TINY_TRAIN | {"epochs": 1, "baseline": False}), run)
     scored, sizes = [], []
-    real = qat.dataset_accuracy
+    real = qat.dataset_hits
 
     def spy(model, dataset, *args, **kwargs):
         flags = [m.observer_enabled for m in model.modules() if hasattr(m, "observer_enabled")]
@@ -227,7 +227,7 @@ def test_validation_images_never_move_the_quantization_ranges(tmp_path, monkeypa
             sizes.append(len(dataset))
         return real(model, dataset, *args, **kwargs)
 
-    monkeypatch.setattr(qat, "dataset_accuracy", spy)
+    monkeypatch.setattr(qat, "dataset_hits", spy)
     qat.run(QatConfig(epochs=2, freeze_bn_after=1, freeze_observers_after=2, quiet=True), run)
     assert len(scored) == 2  # one scoring per epoch, on the fake-quantized graph
     assert all(flag == 0 for flags in scored for flag in flags)
