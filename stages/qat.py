@@ -112,11 +112,15 @@ def fine_tune(config, ctx: QuantContext, device) -> qat_runtime.FineTuned:
                     choosing, plans.Plan(config.epochs, config.freeze_bn_after,
                                          config.freeze_observers_after), time.perf_counter())
     fit(tuning.loop, _hooks(tuning))
+    # Kept as scored, observers off, whether the best epoch's weights were loaded or the last
+    # epoch's stay (its _end_epoch lets them go on where the plan has not frozen them yet).
+    qat_runtime.observe(graph, False)
     graph.eval()
     plan = tuning.plan
     return qat_runtime.FineTuned(graph.cpu(), {
         "lr": config.lr, "tuning_time_s": config.tuning_time, "history": tuning.loop.history,
         "precision": tuning.loop.precision.name, "stochastic_depth_off": stochastic_depth_off,
+        "chosen": tuning.loop.totals.chosen,
         "seconds": time.perf_counter() - tuning.started, "epochs": plan.epochs,
         "freeze_bn_after": plan.freeze_bn_after,
         "freeze_observers_after": plan.freeze_observers_after, "epochs_asked": config.epochs})

@@ -162,8 +162,9 @@ def _checkpoint(model: Model) -> None:
         model.checkpointer.save(model.state(), best=False)
 
 
-def _score(model: Model) -> float:
-    """Recompute BatchNorm statistics from training images, then score the validation split."""
+def _score(model: Model):
+    """Recompute BatchNorm statistics from training images, then score the validation split:
+    its hits, image by image."""
     trained, device = model.loop.parts.model, model.loop.device
     batchnorm.recompute_module(trained, model.splits.calibration, model.config.batch_size,
                                device)

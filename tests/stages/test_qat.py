@@ -234,6 +234,36 @@ def test_validation_images_never_move_the_quantization_ranges(tmp_path, monkeypa
     assert sizes == [72, 72]  # the half of the 144 validation images qat chooses on
 
 
+@pytest.mark.slow
+def test_the_last_epoch_kept_is_handed_on_as_scored_with_the_observers_off(tiny_run, tmp_path,
+                                                                             monkeypatch):
+    """--freeze-observers-after past the epochs: the observers never freeze and each epoch's
+    end lets them go on again. Epoch 1 leads the last by one image, within noise, so the last
+    epoch's weights stay: they must reach the makers as they were scored, observers off (a
+    forward before convert, as an export's, would otherwise move the ranges)."""
+    from tests.conftest import _copy
+
+    run = _copy(tiny_run["run"], tmp_path / "artifacts")
+    wrong = iter([1, 2])  # images wrong at epochs 1 and 2
+
+    def hits(model, dataset, device=None):
+        return torch.arange(len(dataset)) >= next(wrong)
+
+    handed, real = [], qat_runtime.FineTuned
+
+    def fine_tuned(graph, record):
+        handed.append((record["chosen"], [int(m.observer_enabled) for m in graph.modules()
+                                          if hasattr(m, "observer_enabled")]))
+        return real(graph, record)
+
+    monkeypatch.setattr(qat, "dataset_hits", hits)
+    monkeypatch.setattr(qat.qat_runtime, "FineTuned", fine_tuned)
+    qat.run(QatConfig(epochs=2, freeze_bn_after=1, freeze_observers_after=3, quiet=True), run)
+    (chosen, observing), = handed
+    assert chosen.startswith("epoch 2, the last: epoch 1 scored +1.4 points")
+    assert observing and not any(observing)
+
+
 def _one_signed_conv_net():
     """A conv whose output channels have weights of one sign each, as depthwise 3x3 filters
     often do after BatchNorm is folded into them, then BatchNorm, ReLU and a classifier."""
