@@ -2,16 +2,15 @@
 torchao's PT2E QAT flow (prepare_qat_pt2e, then convert_pt2e), for where post-training
 quantization loses too much.
 
-torchvision's quantization recipe, scaled to a small data set (10 epochs by default): a low
-learning rate, BatchNorm statistics frozen after half the epochs and the quantization ranges
-after 70% of them, the last epoch kept unless an earlier one was better on validation beyond
-noise (training/choice.py). The epochs are
-stages/training/loop.py's `fit`, the loop train drives too; this stage adds its freezes, scoring
-with the observers off, the --tuning-time plan (stages/training/plans.py) and its divergence
-check. The fine-tuned graph goes to the variants registered for this stage
-(stages/runtimes/qat.py): `torch-qat`, `ort-qat` where the ONNX export of its QDQ graph
-holds, and `openvino-qat` where OpenVINO runs that QDQ graph as torch-qat does; all are
-reported like every other variant.
+torchvision's quantization recipe, scaled to a small data set (10 epochs by default): a low learning
+rate, BatchNorm statistics frozen after half the epochs and the quantization ranges after 70% of
+them, the last epoch kept unless an earlier one was better on validation beyond noise
+(training/choice.py). The epochs are stages/training/loop.py's `fit`, the loop train drives too;
+this stage adds its freezes, scoring with the observers off, the --tuning-time plan
+(stages/training/plans.py) and its divergence check. The fine-tuned graph goes to the variants
+registered for this stage (stages/runtimes/qat.py): `torch-qat`, `ort-qat` where the ONNX export of
+its QDQ graph holds, and `openvino-qat` where OpenVINO runs that QDQ graph as torch-qat does; all
+are reported like every other variant.
 """
 from __future__ import annotations
 
@@ -190,7 +189,7 @@ def _check_loss(tuning: Tuning, seen: Seen, epoch: int) -> None:
 
 
 def _score(tuning: Tuning, epoch: int):
-    """The fake-quantized graph's accuracy on the half of the validation split it chooses on.
+    """The fake-quantized graph's hits on the half of the validation split it chooses on.
     Observers left on would fit the quantization ranges to the validation images while scoring
     them: ranges come from training images only, and the epoch kept is kept as scored."""
     graph, loop = tuning.graph, tuning.loop
