@@ -63,24 +63,28 @@ def predict_dataset(predict_batch: Callable, dataset, batch_size: int | None = N
     return torch.cat(logits), torch.cat(labels)
 
 
+def top1_hits(logits, labels):
+    """Whether each top-1 prediction is right, image by image (a bool tensor): what a paired
+    comparison of two models on the same images needs."""
+    return logits.argmax(dim=1) == labels if len(labels) else labels.bool()
+
+
+def hit_share(hits) -> float:
+    """Share of the hits that are right, as an exact ratio of counts."""
+    return int(hits.sum()) / len(hits) if len(hits) else float("nan")
+
+
 def accuracy(logits, labels) -> float:
-    """Share of correct top-1 predictions, as an exact ratio of counts."""
-    if not len(labels):
-        return float("nan")
-    return int((logits.argmax(dim=1) == labels).sum()) / len(labels)
-
-
-def dataset_accuracy(model, dataset, device=None) -> float:
-    return accuracy(*predict_dataset(lambda images: predict(model, images, device=device),
-                                     dataset))
+    return hit_share(top1_hits(logits, labels))
 
 
 def dataset_hits(model, dataset, device=None):
-    """Whether ``model``'s top-1 prediction is right, image by image (a bool tensor): what a
-    paired comparison of two models on the same images needs."""
-    logits, labels = predict_dataset(lambda images: predict(model, images, device=device),
-                                     dataset)
-    return logits.argmax(dim=1) == labels if len(labels) else labels.bool()
+    return top1_hits(*predict_dataset(lambda images: predict(model, images, device=device),
+                                      dataset))
+
+
+def dataset_accuracy(model, dataset, device=None) -> float:
+    return hit_share(dataset_hits(model, dataset, device))
 
 
 def compare_logits(reference, candidate) -> dict:

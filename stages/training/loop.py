@@ -21,6 +21,7 @@ from typing import Callable, ContextManager
 
 from stages.data.datasets import DataSplits
 from stages.data.loaders import EpochSampler, make_loader
+from stages.measure.evaluate import hit_share
 from stages.models.build import build_model
 from stages.models.weights import initial_weights, starting_weights
 from stages.run.checkpoints import cpu_state_dict, restore_rng, rng_state
@@ -380,7 +381,7 @@ def _end_epoch(loop: Loop, hooks: Hooks, epoch: int, seen: Seen) -> None:
     epoch_sums = _with(loop.sums, seen)
     loop.totals.samples += epoch_sums.seen
     hits = hooks.score(epoch)
-    val_acc = int(hits.sum()) / len(hits) if len(hits) else float("nan")
+    val_acc = hit_share(hits)
     record = {"epoch": epoch, "loss": epoch_sums.loss / epoch_sums.seen,
               "train_accuracy": epoch_sums.correct / epoch_sums.seen, "val_accuracy": val_acc}
     improved = val_acc > loop.totals.best_val
