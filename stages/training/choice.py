@@ -7,8 +7,9 @@ one the noise of the validation images favoured. On photos10 (1,000 validation i
 test) the epochs so chosen scored 0.7 points below the last on test, averaged over 14 runs of
 five families in --time 10m (from 0.5 above to 3.6 below); on notMNIST 0.2 below over six
 (Zen 4, 2026-12-06: each run's model.pt, then the best epoch's weights, and its newest
-checkpoint, the last epoch's, scored on the same splits). An earlier epoch is kept only where its lead over the last, paired on the
-same validation images, has a 95% interval (Newcombe's) wholly above zero.
+checkpoint, the last epoch's, scored on the same splits). An earlier epoch is kept only where
+its lead over the last, paired on the same validation images, has a 95% interval (Newcombe's)
+wholly above zero.
 """
 from __future__ import annotations
 
