@@ -1,9 +1,11 @@
 """The README's main job, `pipeline train quantize report` with every default (resnet18 on the
-digits), and the targets its report must meet. Sizes and accuracies are asserted; latencies are
+digits): what the chain says and writes (each stage's time, the latest run, every stage
+complete) and the targets its report must meet. Sizes and accuracies are asserted; latencies are
 not, since a timing in a test is a flaky test on a shared machine (the note and
 benchmarks/runtimes.py report them)."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,8 +32,15 @@ def test_default_chain_meets_the_size_and_accuracy_targets(tmp_path):
                           text=True, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     print("\n".join(line for line in proc.stderr.splitlines() if ": done in " in line))
+    for stage in ("train", "quantize", "report"):  # each says how long it took
+        assert re.search(rf"^{stage}: done in (\d+ min )?\d+ s$", proc.stderr, re.M), stage
     assert "recommended on the CPU: " in proc.stdout
-    report_md = Path(proc.stdout.strip().splitlines()[-1].removeprefix("report: "))
+    run_name = (tmp_path / "latest").read_text().strip()
+    report_md = tmp_path / "runs" / run_name / "report" / "report.md"
+    assert proc.stdout.strip().splitlines()[-1] == f"report: {report_md}"
+    manifest = json.loads((tmp_path / "runs" / run_name / "manifest.json").read_text())
+    assert all(manifest["stages"][s]["status"] == "complete" and
+               manifest["stages"][s]["seconds"] > 0 for s in ("train", "quantize", "report"))
     report = json.loads(report_md.with_name("report.json").read_text())
     models = {m["name"]: m for m in report["models"]}
     assert list(models) == FROM_QUANTIZE

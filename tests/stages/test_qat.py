@@ -208,57 +208,44 @@ def test_batchnorm_statistics_of_the_qat_graph_are_recomputed_from_training_imag
 
 
 @pytest.mark.slow
-def test_validation_images_never_move_the_quantization_ranges(tmp_path, monkeypatch):
-    """Each epoch is scored with the observers off, and the epoch kept is restored as scored:
-    ranges come from training images only. The epochs are scored on the half of the validation
-    split that the report does not judge torch-qat on."""
-    from stages import train
-    from stages.run import artifacts
-
-    run = artifacts.create_run(tmp_path, "ranges")
-    train.run(TrainConfig(**TINY_TRAIN | {"epochs": 1, "baseline": False}), run)
-    scored, sizes = [], []
-    real = qat.dataset_hits
-
-    def spy(model, dataset, *args, **kwargs):
-        flags = [m.observer_enabled for m in model.modules() if hasattr(m, "observer_enabled")]
-        if flags:
-            scored.append([int(f.item()) for f in flags])
-            sizes.append(len(dataset))
-        return real(model, dataset, *args, **kwargs)
-
-    monkeypatch.setattr(qat, "dataset_hits", spy)
-    qat.run(QatConfig(epochs=2, freeze_bn_after=1, freeze_observers_after=2, quiet=True), run)
-    assert len(scored) == 2  # one scoring per epoch, on the fake-quantized graph
-    assert all(flag == 0 for flags in scored for flag in flags)
-    assert sizes == [72, 72]  # the half of the 144 validation images qat chooses on
-
-
-@pytest.mark.slow
 def test_the_last_epoch_kept_is_handed_on_as_scored_with_the_observers_off(tiny_run, tmp_path,
                                                                              monkeypatch):
-    """--freeze-observers-after past the epochs: the observers never freeze and each epoch's
-    end lets them go on again. Epoch 1 leads the last by one image, within noise, so the last
-    epoch's weights stay: they must reach the makers as they were scored, observers off (a
-    forward before convert, as an export's, would otherwise move the ranges)."""
+    """Validation images never move the quantization ranges: each epoch is scored with the
+    observers off, on the half of the validation split that the report does not judge
+    torch-qat on. --freeze-observers-after past the epochs: the observers never freeze and each
+    epoch's end lets them go on again. Epoch 1 leads the last by one image, within noise, so
+    the last epoch's weights stay: they must reach the makers as they were scored, observers
+    off (a forward before convert, as an export's, would otherwise move the ranges)."""
     from tests.conftest import _copy
 
     run = _copy(tiny_run["run"], tmp_path / "artifacts")
     wrong = iter([1, 2])  # images wrong at epochs 1 and 2
+    scored = []  # (observer flags, images) of each scoring
+
+    def observers(model):
+        return [int(m.observer_enabled) for m in model.modules()
+                if hasattr(m, "observer_enabled")]
 
     def hits(model, dataset, device=None):
+        scored.append((observers(model), len(dataset)))
         return torch.arange(len(dataset)) >= next(wrong)
 
-    handed, real = [], qat_runtime.FineTuned
+    handed = []
+
+    class Handed(Exception):
+        """Raised where the graph reaches the makers: what they make is tested elsewhere."""
 
     def fine_tuned(graph, record):
-        handed.append((record["chosen"], [int(m.observer_enabled) for m in graph.modules()
-                                          if hasattr(m, "observer_enabled")]))
-        return real(graph, record)
+        handed.append((record["chosen"], observers(graph)))
+        raise Handed
 
     monkeypatch.setattr(qat, "dataset_hits", hits)
     monkeypatch.setattr(qat.qat_runtime, "FineTuned", fine_tuned)
-    qat.run(QatConfig(epochs=2, freeze_bn_after=1, freeze_observers_after=3, quiet=True), run)
+    with pytest.raises(Handed):
+        qat.run(QatConfig(epochs=2, freeze_bn_after=1, freeze_observers_after=3, quiet=True),
+                run)
+    assert [size for _, size in scored] == [72, 72]  # the half of 144 that qat chooses on
+    assert all(flags and not any(flags) for flags, _ in scored)
     (chosen, observing), = handed
     assert chosen.startswith("epoch 2, the last: epoch 1 scored +1.4 points")
     assert observing and not any(observing)
