@@ -87,14 +87,14 @@ def score(backend: Backend, options: dict, float_layers: tuple[str, ...],
     """Build one candidate and measure it against the float source on the held-out images."""
     import torch
 
-    from stages.measure.evaluate import accuracy as exact_accuracy
+    from stages.measure.evaluate import hit_share, top1_hits
     from stages.measure.stats import worst_change
 
     model = backend.build(options, float_layers)
     logits = backend.predict(model, reference["images"])
-    accuracy = exact_accuracy(logits, reference["labels"])
-    hits = logits.argmax(1) == reference["labels"]
-    float_hits = reference["logits"].argmax(1) == reference["labels"]
+    hits = top1_hits(logits, reference["labels"])
+    float_hits = top1_hits(reference["logits"], reference["labels"])
+    accuracy = hit_share(hits)
     worst = worst_change(int((hits & ~float_hits).sum()), int((float_hits & ~hits).sum()),
                          len(hits))
     return Trial(

@@ -17,6 +17,7 @@ from stages.measure.evaluate import (
     PARITY_MIN_AGREEMENT,
     compare_logits,
     predict_dataset,
+    top1_hits,
     top_k_hits,
 )
 from stages.measure.stats import paired_difference_interval, wilson_interval
@@ -37,7 +38,7 @@ from stages.runtimes import gpu
 
 
 def _hits(logits, labels) -> list[bool]:
-    return (logits.argmax(1) == labels).tolist()
+    return top1_hits(logits, labels).tolist()
 
 
 def _accuracy(hits: list[bool]) -> dict:

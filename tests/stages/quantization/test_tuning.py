@@ -68,15 +68,10 @@ def test_outliers_miss_the_budget_until_sensitive_layers_stay_float(tmp_path):
 
 @pytest.mark.slow
 def test_auto_tries_several_configurations_and_keeps_the_fastest_within_budget(tiny_run,
-                                                                                tmp_path,
-                                                                                monkeypatch):
+                                                                                tmp_path):
     from tests.conftest import _copy
 
     run = _copy(tiny_run["run"], tmp_path / "artifacts")
-    # Fewer timing rounds than quantize's own: that the fastest timed is kept is what is
-    # tested, not how precisely it was timed.
-    monkeypatch.setattr(tuning, "TUNING_TIMING", tuning.TUNING_TIMING | {
-        "rounds": 3, "warmup": 1, "max_rounds": 3})
     # A budget every configuration of the tiny model meets, so that speed alone decides.
     quantize.run(QuantizeConfig(methods="torch-static,ort-static,openvino-int8", auto=True,
                                 max_accuracy_drop=20.0, calibration_samples=128, quiet=True),
