@@ -10,11 +10,24 @@
 bf16 training on a CPU with AMX needs oneDNN capped below AMX before its first kernel (see
 stages/training/precision.py); the CLI does that, and so does this file for tests that train
 in-process.
+
+The suite runs in a process per core (pytest-xdist, `-n auto` in pyproject.toml): alone it kept
+one of two cores busy on average (the fast tier: 214 s of CPU in 231 s), since most of a test's
+time is Python (imports, tracing, exports) on one thread. Each worker gets its share of the
+cores as its threads, here and in the processes its tests start, so that two workers never
+run four threads on two cores; the longest tests start first, and the tests of QAT share one
+worker (xdist_group "qat"), so that tiny_qat_run and torchao's exports are made once.
 """
 from __future__ import annotations
 
-from stages.measure.machine import cpu_has_bf16
-from stages.training.precision import cap_isa_for_bf16_training
+import os
+
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:  # before torch is imported: its thread pool reads this once
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
+from stages.measure.machine import cpu_has_bf16  # noqa: E402
+from stages.training.precision import cap_isa_for_bf16_training  # noqa: E402
 
 cap_isa_for_bf16_training("bf16", "cpu")  # before any test imports torch and runs a kernel
 
@@ -42,6 +55,12 @@ BF16_VARIANTS = ("amp-compiled", "openvino-bf16")  # made only on a CPU with bf1
 QUANTIZE_METHODS = [n for n in ALL_VARIANTS if n not in QAT_VARIANTS + ("fp32", "amp")]
 FROM_QUANTIZE = ["fp32", "amp"] + [n for n in QUANTIZE_METHODS
                                    if n not in BF16_VARIANTS or cpu_has_bf16()]
+
+
+def pytest_collection_modifyitems(items):
+    """The tests marked longest first, the rest in their order: a worker that drew the default
+    chain last would run on alone for minutes after the other had finished."""
+    items.sort(key=lambda item: item.get_closest_marker("longest") is None)
 
 
 def _copy(run, folder):

@@ -44,6 +44,7 @@ def test_the_timing_benchmarks_run_on_a_tiny_run(cheap_run):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("qat")  # conftest.py: tiny_qat_run once
 def test_nncf_qat_benchmark_runs_on_a_tiny_qat_run(tiny_qat_run, tmp_path):
     from tests.conftest import _copy
 

@@ -19,6 +19,7 @@ from tests.conftest import FROM_QUANTIZE
 
 
 @pytest.mark.slow
+@pytest.mark.longest
 def test_default_chain_meets_the_size_and_accuracy_targets(tmp_path):
     """Through the installed console script, as the README's first command runs it."""
     import torch

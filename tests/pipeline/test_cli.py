@@ -157,6 +157,7 @@ def test_auto_goes_on_to_qat_only_where_post_training_missed_the_budget(monkeypa
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("qat")  # conftest.py: QAT's exports once a worker
 def test_a_qat_that_diverges_under_auto_leaves_the_post_training_variants_standing(
         cheap_run, monkeypatch):
     """Through the command, with a real quantize: only the verdict (a dynamic variant alone

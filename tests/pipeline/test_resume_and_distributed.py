@@ -87,6 +87,7 @@ def test_resume_refuses_new_flags(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.longest
 def test_torchrun_two_cpu_ranks(tmp_path):
     """Training on both ranks; quantize and report on rank 0 alone, with the QAT that
     quantize --auto goes on to (a budget of 0 points: post-training int8 always misses it),

@@ -16,6 +16,10 @@ from stages.training import batchnorm
 from stages.training import loop as training_loop
 from tests.conftest import TINY_TRAIN
 
+# One worker runs them all (tests/conftest.py): tiny_qat_run and torchao's pattern exports,
+# about 24 s the first time a process runs QAT, are then made once.
+pytestmark = pytest.mark.xdist_group("qat")
+
 
 @pytest.mark.slow
 def test_frozen_batchnorm_keeps_its_statistics_while_training_goes_on():
