@@ -23,8 +23,9 @@ from __future__ import annotations
 import os
 
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, len(os.sched_getaffinity(0)) // _WORKERS)  # this worker's share of the cores
 if _WORKERS > 1:  # before torch is imported: its thread pool reads this once
-    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+    os.environ["OMP_NUM_THREADS"] = str(THREADS)
 
 from stages.measure.machine import cpu_has_bf16  # noqa: E402
 from stages.training.precision import cap_isa_for_bf16_training  # noqa: E402
@@ -99,8 +100,13 @@ def tiny_qat_run(tiny_run, tmp_path_factory):
 def make_cheap_run(run) -> dict:
     """What cheap_run holds, made in ``run``: smallcnn trained one epoch in fp32, ort-static,
     and a report at batches 1 and 32 (returned)."""
+    import torch
+
     from stages import quantize, report, train
 
+    # Serving in this process sets torch's threads (runtimes/pytorch.py), and weights trained
+    # with another count differ in their last bits: test_numerics compares two of these runs.
+    torch.set_num_threads(THREADS)
     train.run(TrainConfig(**TINY_TRAIN | {"precision": "fp32", "epochs": 1}), run)
     quantize.run(QuantizeConfig(methods="ort-static", calibration_samples=64, quiet=True), run)
     return report.run(ReportConfig(**TINY_REPORT | {"batch_sizes": (1, 32)}), run)
