@@ -19,6 +19,7 @@ def _script(*args: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.longest
 def test_the_cheap_benchmarks_run_on_a_tiny_model(cheap_run):
     out = _script("benchmarks/train_speed.py", "--model", "smallcnn", "--epochs", "1",
                   "--precision", "fp32")
@@ -35,6 +36,7 @@ def test_the_cheap_benchmarks_run_on_a_tiny_model(cheap_run):
 
 
 @pytest.mark.slow
+@pytest.mark.longest
 def test_the_timing_benchmarks_run_on_a_tiny_run(cheap_run):
     where = ["--artifacts-dir", str(cheap_run.artifacts_dir), "--run", cheap_run.name]
     out = _script("benchmarks/runtimes.py", *where, "--rounds", "5", "--repeats", "4")
@@ -44,6 +46,7 @@ def test_the_timing_benchmarks_run_on_a_tiny_run(cheap_run):
 
 
 @pytest.mark.slow
+@pytest.mark.longest
 @pytest.mark.xdist_group("qat")  # conftest.py: tiny_qat_run once
 def test_nncf_qat_benchmark_runs_on_a_tiny_qat_run(tiny_qat_run, tmp_path):
     from tests.conftest import _copy

@@ -43,6 +43,7 @@ def _report(tmp_path, run):
 
 
 @pytest.mark.slow
+@pytest.mark.longest
 def test_a_users_model_trains_quantizes_and_is_rebuilt_from_the_manifest(tmp_path):
     project = tmp_path / "project"
     project.mkdir()

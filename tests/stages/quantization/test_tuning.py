@@ -67,6 +67,7 @@ def test_outliers_miss_the_budget_until_sensitive_layers_stay_float(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.longest
 def test_auto_tries_several_configurations_and_keeps_the_fastest_within_budget(tiny_run,
                                                                                 tmp_path):
     from tests.conftest import _copy
