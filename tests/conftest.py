@@ -11,12 +11,13 @@ bf16 training on a CPU with AMX needs oneDNN capped below AMX before its first k
 stages/training/precision.py); the CLI does that, and so does this file for tests that train
 in-process.
 
-The suite runs in a process per core (pytest-xdist, `-n auto` in pyproject.toml): alone it kept
-one of two cores busy on average (the fast tier: 214 s of CPU in 231 s), since most of a test's
-time is Python (imports, tracing, exports) on one thread. Each worker gets its share of the
-cores as its threads, here and in the processes its tests start, so that two workers never
-run four threads on two cores; the longest tests start first, and the tests of QAT share one
-worker (xdist_group "qat"), so that tiny_qat_run and torchao's exports are made once.
+The suite runs in a process per CPU (pytest-xdist, `-n logical` in pyproject.toml): alone it
+kept one of two cores busy on average (the fast tier: 214 s of CPU in 231 s), since most of a
+test's time is Python (imports, tracing, exports) on one thread. Each worker gets its share of
+the CPUs as torch's threads, here and in the processes its tests start, so that two workers do
+not run four threads on two cores where a test leaves the count to torch; the longest tests
+start first, and the tests of QAT share one worker (xdist_group "qat"), so that tiny_qat_run
+and torchao's exports are made once.
 """
 from __future__ import annotations
 
