@@ -250,7 +250,7 @@ def parse_methods(text: str) -> tuple[str, ...]:
 @dataclass
 class ReportConfig:
     batch_sizes: tuple[int, ...] = (1, 32)
-    threads: int = 0  # 0: as many as the machine has cores, capped at 8
+    threads: int = 0  # 0: one per CPU this process may use, at most 8
     warmup: int = 3
     rounds: int = 5  # at least; every variant is timed in each round, the order rotated
     max_rounds: int = 40

@@ -125,7 +125,7 @@ QUANTIZE = {
 
 REPORT = {
     "batch_sizes": Flag("Comma list of batch sizes to time."),
-    "threads": Flag("Threads for every runtime alike; 0: the machine's cores, at most 8."),
+    "threads": Flag("Threads for every runtime alike; 0: one per CPU it may use, at most 8."),
     "rounds": Flag("Rounds of timing at least; every variant is timed in each, the order "
                    "rotated."),
     "max_rounds": Flag("Rounds of timing at most."),
@@ -156,7 +156,7 @@ PREDICT = {
     "top_k": Flag("Classes printed per image."),
     "batch_size": Flag("Images decoded and predicted together."),
     "json": Flag("One JSON object per image instead of text.", flag=True),
-    "threads": Flag("Threads the runtime uses; 0: the machine's cores, at most 8."),
+    "threads": Flag("Threads the runtime uses; 0: one per CPU it may use, at most 8."),
 }
 
 EXPORT = {

@@ -13,22 +13,35 @@ in-process.
 
 The suite runs in a process per CPU (pytest-xdist, `-n logical` in pyproject.toml): alone it
 kept one of two cores busy on average (the fast tier: 214 s of CPU in 231 s), since most of a
-test's time is Python (imports, tracing, exports) on one thread. Each worker gets its share of
-the CPUs as torch's threads, here and in the processes its tests start, so that two workers do
-not run four threads on two cores where a test leaves the count to torch; the longest tests
-start first, and the tests of QAT share one worker (xdist_group "qat"), so that tiny_qat_run
-and torchao's exports are made once.
+test's time is Python (imports, tracing, exports) on one thread. Each worker runs pinned to
+its share of the CPUs (_share_of_the_cpus); the longest tests start first, and the tests of QAT
+share one worker (xdist_group "qat"), so that tiny_qat_run and torchao's exports are made once.
 """
 from __future__ import annotations
 
 import os
 
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-THREADS = max(1, len(os.sched_getaffinity(0)) // _WORKERS)  # this worker's share of the cores
-if _WORKERS > 1:  # before torch is imported: its thread pool reads this once
-    os.environ["OMP_NUM_THREADS"] = str(THREADS)
+from stages.measure.machine import allowed_cpus, cpu_has_bf16
 
-from stages.measure.machine import cpu_has_bf16  # noqa: E402
+
+def _share_of_the_cpus() -> int:
+    """Pin this xdist worker to its own slice of the CPUs, inherited by the processes its tests
+    start, and return how many: torch, the runtimes (machine.inference_threads) and the timing's
+    contention check then see the slice as the machine, so that two workers neither run four
+    threads on two cores nor count each other as a busy neighbour."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cpus = allowed_cpus()
+    share = len(cpus) // workers
+    if workers == 1 or not share or not hasattr(os, "sched_setaffinity"):
+        return max(1, share)
+    index = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")) % workers  # a restart: gw2
+    os.sched_setaffinity(0, cpus[index * share:(index + 1) * share])
+    os.environ["OMP_NUM_THREADS"] = str(share)  # before torch is imported: read once
+    return share
+
+
+THREADS = _share_of_the_cpus()
+
 from stages.training.precision import cap_isa_for_bf16_training  # noqa: E402
 
 cap_isa_for_bf16_training("bf16", "cpu")  # before any test imports torch and runs a kernel

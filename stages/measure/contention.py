@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
+from stages.measure.machine import allowed_cpus
+
 if TYPE_CHECKING:
     from stages.measure.timing import Timing
 
@@ -83,14 +85,6 @@ def load_average() -> float | None:
         return os.getloadavg()[0]
     except OSError:
         return None
-
-
-def allowed_cpus() -> list[int]:
-    """The CPUs this process may run on: a container's or taskset's, not the host's."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return list(range(os.cpu_count() or 1))
 
 
 @dataclass

@@ -9,10 +9,19 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_b
              "asimddp")
 
 
+def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on: a container's or taskset's, not the host's."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
 def inference_threads(asked: int | None = 0) -> int:
-    """The threads a variant runs with: as asked, or as many as the machine has cores, capped
-    at 8 (more seldom help one call and crowd everything else)."""
-    return asked or min(os.cpu_count() or 1, 8)
+    """The threads a variant runs with: as asked, or one per CPU this process may run on (a
+    taskset or a container's cpuset leaves fewer than the machine has), capped at 8 (more
+    seldom help one call and crowd everything else)."""
+    return asked or min(len(allowed_cpus()), 8)
 
 
 def cpu_info() -> dict:

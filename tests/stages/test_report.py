@@ -11,7 +11,7 @@ import torch
 
 from pipeline.config import ReportConfig
 from stages import report
-from stages.measure import contention, timing
+from stages.measure import contention, machine, timing
 from stages.report import diagnosis, judging, measuring, plots, profile, recommendation
 from stages.report.markdown import markdown
 from tests.conftest import ALL_VARIANTS, TINY_REPORT
@@ -603,7 +603,7 @@ def test_a_report_timed_beside_a_busy_core_says_so(monkeypatch):
     loaded = {"fp32": _Matmul(64), "onnx-fp32": _Matmul(64)}
     config = ReportConfig(batch_sizes=(32,), warmup=1, rounds=3, max_rounds=3, repeats=7,
                           quiet=True)
-    threads = len(contention.allowed_cpus())
+    threads = len(machine.allowed_cpus())
     burner = subprocess.Popen([sys.executable, "-c", BURN_ONE_CORE, "10"],
                               stdout=subprocess.PIPE, text=True)
     try:

@@ -188,3 +188,18 @@ def test_without_proc_stat_the_spread_alone_is_judged():
     watch.time("cpu", 1, _session(box))
     [session] = watch.record()["sessions"]
     assert session["others_cores"] is None and not session["busy"] and session["clean"]
+
+
+def test_variants_run_with_a_thread_per_cpu_the_process_may_use():
+    """A taskset or a container's cpuset leaves a process fewer CPUs than the machine has: the
+    default thread count follows them (os.cpu_count() does not), and --threads wins."""
+    import os
+    import subprocess
+    import sys
+
+    first = min(os.sched_getaffinity(0))
+    code = (f"import os; os.sched_setaffinity(0, {{{first}}}); "
+            "from stages.measure.machine import inference_threads as t; print(t(), t(3))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["1", "3"]
