@@ -44,7 +44,12 @@ def test_default_chain_meets_the_size_and_accuracy_targets(tmp_path):
                manifest["stages"][s]["seconds"] > 0 for s in ("train", "quantize", "report"))
     report = json.loads(report_md.with_name("report.json").read_text())
     models = {m["name"]: m for m in report["models"]}
-    assert list(models) == FROM_QUANTIZE
+    # resnet18's fully connected layer holds 0.05% of its weights: dynamic int8 is not made.
+    pointless = ("torch-dynamic", "ort-dynamic")
+    assert list(models) == [name for name in FROM_QUANTIZE if name not in pointless]
+    for name in pointless:
+        assert any(warning.startswith(f"{name} (quantize): not made: the fully connected layers")
+                   for warning in report["warnings"]), name
     # Timed as a deployment runs: on an AMX CPU bf16 training capped oneDNN in the chain's
     # process, and the cap must not reach the report's timing.
     assert report["environment"]["isa"]["onednn_max_cpu_isa"] == "not capped"

@@ -217,6 +217,27 @@ def build_from_spec(spec: dict):
                        spec.get("image_size", 32))
 
 
+MATRIX_PRODUCTS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm")
+
+
+def fully_connected_share(model, images) -> dict[str, float]:
+    """What the fully connected layers are of a model, the part dynamic int8 quantizes:
+    ``weights``, their share of its weights and kernels (every parameter of two or more
+    dimensions), and ``work``, the share of the floating-point work of a call on ``images``
+    that matrix products do (torch's flop counter: convolutions against mm, addmm, bmm)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    kernels = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(images)
+    flops = {str(op): n for op, n in counter.get_flop_counts().get("Global", {}).items()}
+    products = sum(n for op, n in flops.items() if op in MATRIX_PRODUCTS)
+    return {"weights": linear / kernels if kernels else 0.0,
+            "work": products / sum(flops.values()) if flops else 0.0}
+
+
 # ---------------------------------------------------------------- will it train at this size?
 
 PROBE_SIZES = (8, 16, 32, 64, 75, 96, 128, 160, 224, 299)

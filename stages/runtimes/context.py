@@ -28,6 +28,13 @@ from stages.run.files import remove_stale_temporaries
 from stages.run.progress import say
 from stages.run.trained import float_source
 
+# Dynamic int8 is made where the fully connected layers hold at least this share of the weights
+# or of the work (stages/models/build.py:fully_connected_share). resnet18's hold 0.05% of its
+# weights and do 0.01% of its work at 32x32; at 224x224 its two dynamic variants ran at fp32's
+# speed and had taken 73 of quantize's 347 s and 72 of the report's 320 (AMD EPYC Zen 4,
+# 2026-12-07). smallcnn's hold 2.7% of its weights, mnasnet0_5's 1.4%, mobilenet_v3_large's 30%.
+DYNAMIC_INT8_MIN_SHARE = 0.01
+
 
 def source_of(run: Run, name: str) -> str | None:
     source = runtimes.VARIANTS[name].source
@@ -54,6 +61,7 @@ class QuantContext:
     _val: tuple | None = None
     _references: dict = field(default_factory=dict)  # source variant -> its held-out logits
     _loaded: dict = field(default_factory=dict)
+    _fully_connected: dict | None = None  # fully_connected_share of the float model
     # Checks that compile a model, kept until the stage's last torch.export: a strict export
     # resets Dynamo, which throws every compiled model of the process away (each took 3 to
     # 15 s to compile, and the report in the same chain would compile them all again).
@@ -160,6 +168,24 @@ class QuantContext:
         self.run.unregister(name)
         self.refused[name] = why
         return {"not_kept": why}
+
+    def pointless_dynamic_int8(self, name: str, static: str) -> dict | None:
+        """Refuse ``name``, a dynamic int8 variant, where the model's fully connected layers
+        (what dynamic int8 quantizes) hold under 1% of its weights and do under 1% of its work:
+        it could change neither its size nor its speed by 1%. None where it may pay."""
+        if self._fully_connected is None:
+            from stages.models.build import fully_connected_share
+
+            self._fully_connected = fully_connected_share(self.float_model(),
+                                                          self.check_images()[:1])
+        share = self._fully_connected
+        if max(share.values()) >= DYNAMIC_INT8_MIN_SHARE:
+            return None
+        weights, work = (f"{share[part] * 100:.2g}%" for part in ("weights", "work"))
+        return self.refuse(name, f"not made: the fully connected layers, all that dynamic int8 "
+                                 f"quantizes, hold {weights} of the model's weights and do "
+                                 f"{work} of its work, so it could change neither size nor speed "
+                                 f"by 1%; {static} quantizes the rest")
 
     def score_without_search(self, name: str, predict_fn, reference_fn, reference_of: str,
                              options: dict) -> dict:

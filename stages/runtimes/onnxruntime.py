@@ -267,6 +267,8 @@ DYNAMIC_OP_TYPES = ["MatMul", "Attention", "LSTM"]
 def make_dynamic(ctx) -> dict:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    if (pointless := ctx.pointless_dynamic_int8("ort-dynamic", "ort-static")) is not None:
+        return pointless
     _quiet_ort_logging()
     made = ctx.scratch / "ort-dynamic.onnx"
     with atomic_path(made) as tmp:

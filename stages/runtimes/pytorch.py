@@ -21,16 +21,7 @@ from stages.run.errors import PipelineError
 from stages.run.files import sha256_file
 from stages.run.loading import load_checkpoint
 from stages.run.trained import FLOAT_MODELS
-from stages.runtimes import (
-    FLOAT,
-    Loaded,
-    declare,
-    inductor,
-    loader,
-    profilers,
-    pt2e,
-    variant,
-)
+from stages.runtimes import FLOAT, Loaded, declare, inductor, loader, profilers, pt2e, variant
 
 # ---------------------------------------------------------------- float models
 
@@ -214,6 +205,8 @@ def make_dynamic(ctx) -> dict:
         return ctx.refuse("torch-dynamic", "not made: the model has no fully connected layer "
                           "(Linear), the only kind PT2E dynamic int8 quantizes; torch-static "
                           "quantizes convolutions")
+    if (pointless := ctx.pointless_dynamic_int8("torch-dynamic", "torch-static")) is not None:
+        return pointless
     options = pt2e.pt2e_options(dynamic=True)
     # Activations are quantized at run time; one batch lets the weight observers see weights.
     graph = pt2e.quantize_pt2e(model, ctx.spec, options, ctx.calibration()[:1])

@@ -6,6 +6,7 @@ from stages.models.build import (
     build_model,
     check_model_fits,
     check_model_name,
+    fully_connected_share,
     initialisation,
     known_models,
 )
@@ -72,6 +73,19 @@ def test_each_residual_block_of_a_depthwise_family_starts_as_the_identity(name):
     assert all(bool((m.weight == 1).all()) for m in resnet.modules()
                if isinstance(m, torch.nn.BatchNorm2d))
     assert initialisation("resnet18", 10, 3, 32) == "torchvision's"
+
+
+@pytest.mark.parametrize("name, size, weights, work", [
+    ("resnet18", 32, (0.0004, 0.0005), (0.0001, 0.0002)),  # fc 5,130 of 11.2M weights
+    ("resnet18", 224, (0.0004, 0.0005), (0.0, 0.00001)),
+    ("smallcnn", 8, (0.026, 0.027), (0.001, 0.0011)),  # Linear(64, 10) beside 23,040 kernels
+    ("mixer", 32, (1.0, 1.0), (1.0, 1.0)),  # Linear layers only, the patches cut by Unfold
+])
+def test_the_fully_connected_share_counts_weights_and_matrix_products(name, size, weights, work):
+    model = build_model(name, 10, 1, size).eval()
+    share = fully_connected_share(model, torch.zeros(1, 1, size, size))
+    assert weights[0] <= share["weights"] <= weights[1], share
+    assert work[0] <= share["work"] <= work[1], share
 
 
 def test_unknown_model_lists_the_known_ones():
