@@ -224,7 +224,9 @@ def fully_connected_share(model, images) -> dict[str, float]:
     """What the fully connected layers are of a model, the part dynamic int8 quantizes:
     ``weights``, their share of its weights and kernels (every parameter of two or more
     dimensions), and ``work``, the share of the floating-point work of a call on ``images``
-    that matrix products do (torch's flop counter: convolutions against mm, addmm, bmm)."""
+    that matrix products do (torch's flop counter: mm, addmm, bmm and baddbmm against all it
+    counts, convolutions among them), so that attention's products count where they are not
+    Linear modules."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
