@@ -76,9 +76,9 @@ def test_each_residual_block_of_a_depthwise_family_starts_as_the_identity(name):
 
 
 @pytest.mark.parametrize("name, size, weights, work", [
-    ("resnet18", 32, (0.0004, 0.0005), (0.0001, 0.0002)),  # fc 5,130 of 11.2M weights
+    ("resnet18", 32, (0.0004, 0.0005), (0.0001, 0.0002)),  # fc's 5,120 of 11.2M weights
     ("resnet18", 224, (0.0004, 0.0005), (0.0, 0.00001)),
-    ("smallcnn", 8, (0.026, 0.027), (0.001, 0.0011)),  # Linear(64, 10) beside 23,040 kernels
+    ("smallcnn", 8, (0.026, 0.027), (0.001, 0.0011)),  # Linear(64, 10): 640 of 23,824
     ("mixer", 32, (1.0, 1.0), (1.0, 1.0)),  # Linear layers only, the patches cut by Unfold
 ])
 def test_the_fully_connected_share_counts_weights_and_matrix_products(name, size, weights, work):
