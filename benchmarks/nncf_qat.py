@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import copy
 import io
+import os
 import time
 from pathlib import Path
 
@@ -98,6 +99,9 @@ def nncf_fine_tuned(run, splits, epochs: int, lr: float, batch_size: int):
 
 
 def main() -> None:
+    # NNCF compiles its C++ fake quantization on first use and gives up after 60 s, which two
+    # slow cores can take: wait for it instead.
+    os.environ.setdefault("NNCF_EXTENSION_LOAD_TIMEOUT", "0")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", required=True)
     parser.add_argument("--artifacts-dir", type=Path, default=Path("artifacts"))
