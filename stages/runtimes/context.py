@@ -44,7 +44,8 @@ def source_of(run: Run, name: str) -> str | None:
 @dataclass
 class QuantContext:
     """What every runtime's make function gets: the run, the float model, training images
-    for calibration, held-out training images to score on, and where to write."""
+    for calibration, held-out training images to score on, and where to write: ``folder``,
+    from which register() moves each file into ``published`` (the run's quantize/)."""
 
     run: Run
     config: object
@@ -55,6 +56,7 @@ class QuantContext:
     source: str
     threads: int
     stage: str = "quantize"
+    published: Path | None = None
     _batches: list = field(default_factory=list)
     _float: object = None
     _equalized: tuple | None = None
@@ -214,17 +216,30 @@ class QuantContext:
                                 f"({runtimes.summarize_ops(op_counts)}), so it was not kept; "
                                 "please report this with --debug output")
         self._loaded.pop(name, None)
+        path, companions = self._publish(path), tuple(self._publish(c) for c in companions)
         self.run.register(name, path, kind="model", stage=self.stage,
                           parent=source_of(self.run, name), config=asdict(self.config),
                           format=fmt, model_spec=self.spec, companions=companions,
                           quantization=info | {"op_counts": op_counts})
 
+    def _publish(self, path: Path) -> Path:
+        """A file written in ``folder``, moved under its name into quantize/ as it is listed.
+        Written there directly, a variant made again would have replaced the listed file
+        minutes before its entry (torch-static's waits for every export): an interrupt or a
+        failure in between left a run whose report refused the mismatched file. A listed file
+        registered again (openvino-bf16 lists openvino-fp32's IR) stays where it is."""
+        if self.published is None or path.parent != self.folder:
+            return path
+        os.replace(path, self.published / path.name)
+        return self.published / path.name
+
 
 @contextlib.contextmanager
 def context(run: Run, config, stage: str, **options) -> Iterator[QuantContext]:
     """The QuantContext a stage that makes variants works in (quantize, qat): the run's float
-    source and data, the quantize/ folder, and a scratch folder removed afterwards. Records the
-    stage's configuration with the source it was made from."""
+    source and data, the quantize/ folder, and a scratch folder removed afterwards with what
+    was written there and never listed. Records the stage's configuration with the source it
+    was made from."""
     import torch
 
     source = float_source(run)
@@ -237,9 +252,10 @@ def context(run: Run, config, stage: str, **options) -> Iterator[QuantContext]:
         if getattr(config, "calibration_samples", 0) is None:  # (qat's config has no such field)
             config = dataclasses.replace(config, calibration_samples=default_calibration_samples(
                 spec["image_size"]))
-        ctx = QuantContext(run, config, splits, spec, folder,
-                           Path(scratch), source, torch.get_num_threads(), stage=stage,
-                           **options)
+        staging = Path(scratch) / "made"
+        staging.mkdir()
+        ctx = QuantContext(run, config, splits, spec, staging, Path(scratch), source,
+                           torch.get_num_threads(), stage=stage, published=folder, **options)
         if stage == "quantize":
             ctx.calibration()  # bad calibration data stops the stage before anything is written
         run.record_config(stage, asdict(config) | {"source": source, "onednn_max_cpu_isa":

@@ -1,6 +1,7 @@
 """Every variant of the tiny run: listed, int8 where it says so, reloadable, and checked."""
 import copy
 import json
+from pathlib import Path
 
 import onnx
 import pytest
@@ -490,3 +491,29 @@ def test_a_runtime_that_crashes_while_its_variant_is_made_costs_that_variant(fre
     assert run.manifest()["stages"]["quantize"]["status"] == "complete"
     # The crashed child's scratch folder and temporary files are gone.
     assert not list((run.root / "quantize").glob(".*"))
+
+
+@pytest.mark.slow
+def test_a_quantize_that_fails_leaves_the_variants_an_earlier_one_made_whole(fresh_tiny_run,
+                                                                            monkeypatch):
+    """torch-static made again (from fewer calibration images: another file) waits for the
+    stage's exports before it is listed; a later variant fails meanwhile. The listed
+    torch-static is the earlier one, whole, and nothing unlisted is left in quantize/."""
+    import dataclasses
+
+    run = fresh_tiny_run
+    before = run.entry("torch-static")["sha256"]
+
+    def fails(ctx):
+        raise PipelineError("ort-static: failed")
+
+    monkeypatch.setitem(runtimes.VARIANTS, "ort-static",
+                        dataclasses.replace(runtimes.VARIANTS["ort-static"], make=fails))
+    with pytest.raises(PipelineError, match="ort-static: failed"):
+        quantize.run(QuantizeConfig(methods="torch-static,ort-static", calibration_samples=32,
+                                    quiet=True), run)
+    run.verified_path("torch-static")  # the file the manifest lists, not a newer one
+    assert run.entry("torch-static")["sha256"] == before
+    listed = {Path(record["path"]).name for entry in run.artifacts().values()
+              for record in [entry, *entry.get("files", [])]}
+    assert {p.name for p in (run.root / "quantize").iterdir()} <= listed
