@@ -6,6 +6,7 @@ Precedence: dataclass defaults < config file < command line. No torch here, so t
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +122,11 @@ class TrainConfig:
             raise ValueError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
 
 
+# torchvision's names of weights (DEFAULT, IMAGENET1K_V1): anything else --weights names is a
+# file, and a missing one is a path mistyped, not an unknown name.
+WEIGHTS_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
+
+
 @dataclass
 class ImportConfig:
     """A model trained elsewhere, and the data it is to be measured on."""
@@ -142,7 +148,10 @@ class ImportConfig:
         if not self.weights:
             raise ValueError("--weights is required: the file (or torchvision weights name) to "
                              "import")
-        expanded("--weights", self.weights)
+        if not (expanded("--weights", self.weights).is_file()
+                or WEIGHTS_NAME.fullmatch(self.weights)):
+            raise ValueError(f"--weights {self.weights!r} is not a file, nor a name of "
+                             "torchvision's weights such as DEFAULT; check the path")
         _check_data_flags(self)
 
 

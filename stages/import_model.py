@@ -24,7 +24,7 @@ from stages.run.progress import say
 def weights_file(config) -> Path:
     """--weights is a file, or the name of torchvision's pretrained weights in the cache."""
     path = Path(config.weights).expanduser()
-    return path if path.is_file() else pretrained_file(config.model, config.weights)
+    return path if path.is_file() else pretrained_file(config.model, config.weights, "--weights")
 
 
 def preflight(config) -> None:

@@ -16,9 +16,11 @@ from stages.run.errors import PipelineError, UsageError
 from stages.run.loading import load_checkpoint
 
 
-def pretrained_file(model_name: str, weights_name: str) -> Path:
+def pretrained_file(model_name: str, weights_name: str,
+                    file_flag: str = "--init-weights") -> Path:
     """The local file of torchvision's ``weights_name`` for ``model_name``; nothing is
-    downloaded, so a missing file is an error that says where it was looked for."""
+    downloaded, so a missing file is an error that says where it was looked for. ``file_flag``
+    is the flag that takes a file of weights instead (import's is --weights itself)."""
     import torch
     import torchvision
 
@@ -26,7 +28,7 @@ def pretrained_file(model_name: str, weights_name: str) -> Path:
         enum = torchvision.models.get_model_weights(model_name)
     except (KeyError, ValueError):
         raise UsageError(f"--weights: torchvision publishes no weights for {model_name!r}; "
-                         "use --init-weights FILE") from None
+                         f"use {file_flag} FILE") from None
     try:
         weights = enum[weights_name] if weights_name != "DEFAULT" else enum.DEFAULT
     except KeyError:
@@ -37,7 +39,7 @@ def pretrained_file(model_name: str, weights_name: str) -> Path:
     if not path.is_file():
         raise PipelineError(f"--weights {weights.name}: {path} is not there and nothing is "
                             f"downloaded; fetch {weights.url} into that folder (or set "
-                            "TORCH_HOME), or use --init-weights FILE")
+                            f"TORCH_HOME), or use {file_flag} FILE")
     return path
 
 

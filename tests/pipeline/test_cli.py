@@ -36,6 +36,11 @@ def invoke(*args):
     (["qantize"], "No such command 'qantize'. (Did you mean one of: 'qat', 'quantize'?) "
                   "Commands: export, import, list, predict, qat, quantize, report, train."),
     (["import", "--model", "smallcnn"], "--weights is required"),
+    (["import", "--model", "resnet18", "--weights", "mine.pth"],
+     "--weights 'mine.pth' is not a file, nor a name of torchvision's weights such as DEFAULT; "
+     "check the path"),
+    (["import", "--model", "smallcnn", "--weights", "DEFAULT"],
+     "--weights: torchvision publishes no weights for 'smallcnn'; use --weights FILE"),
     (["quantize", "--tuning-time", "5minutes"],
      "--tuning-time '5minutes' is not a duration; give one such as 90s, 5m or 1h"),
     (["qat", "--tuning-time", "-1m"],
