@@ -24,7 +24,7 @@ from pipeline.checks import (
     parse_int_list,
     type_error,
 )
-from stages.data.datasets import DATASETS
+from stages.data.datasets import DATASETS, SHAPES
 from stages.runtimes import VARIANTS, made_by_quantize
 
 DATASET_NAMES = tuple(DATASETS)  # the registry (stages/data), which imports no torch
@@ -48,6 +48,11 @@ def _check_data_flags(config) -> None:
         raise ValueError(f"--val-fraction must be between 0 and 1, got {config.val_fraction}")
     if config.in_channels is not None:
         choice("--in-channels", config.in_channels, (1, 3))
+        colours = SHAPES[config.dataset][1]
+        if config.in_channels < colours:  # grey is widened; colour is not made grey
+            raise ValueError(f"--in-channels {config.in_channels}: --dataset {config.dataset} "
+                             f"has {colours} colour channels, which are not made grey; give "
+                             f"--in-channels {colours} or leave it out")
     at_least("--image-size", config.image_size, 8)
     from stages.models.build import check_model_name
 

@@ -50,6 +50,9 @@ def invoke(*args):
      "ort-dynamic,openvino-int8 has neither; add one of them or drop --equalize"),
     (["predict", "/nonexistent/photo.png"], "/nonexistent/photo.png does not exist"),
     (["export", "--variant", "fp32"], "Missing argument 'OUT_DIR'"),
+    (["train", "--dataset", "cifar10", "--in-channels", "1"],
+     "--in-channels 1: --dataset cifar10 has 3 colour channels, which are not made grey; give "
+     "--in-channels 3 or leave it out"),
     (["train", "--init-weights", "/nonexistent.pt"],
      "--init-weights '/nonexistent.pt' is not a file"),
 ])
