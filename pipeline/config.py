@@ -222,11 +222,10 @@ class QuantizeConfig:
     def __post_init__(self) -> None:
         duration_field(self)
         check_types(self)
-        if isinstance(self.methods, str):
-            self.methods = parse_methods(self.methods)
-        self.methods = tuple(self.methods)
-        for method in self.methods:
-            _method(method)
+        # A config file may give a list (["all"], or names in any order): parsed as a comma
+        # list is, into the order variants are made.
+        self.methods = parse_methods(self.methods if isinstance(self.methods, str)
+                                     else ",".join(self.methods))
         if not self.methods:
             raise ValueError(f"--methods is empty; choose from: all, {', '.join(QUANT_METHODS)}")
         if self.calibration_samples is not None:

@@ -97,6 +97,14 @@ def test_config_file_fills_in_and_flags_win(tmp_path):
     assert bad.exit_code == 2 and "unknown key 'epoch' in [train]" in bad.stderr
 
 
+def test_a_config_files_list_of_methods_is_read_as_the_comma_list_is():
+    assert cfg.QuantizeConfig(methods=["all"]).methods == cfg.QuantizeConfig().methods
+    assert cfg.QuantizeConfig(methods=["ort-static", "torch-static"]).methods == (
+        cfg.QuantizeConfig(methods="ort-static,torch-static").methods)
+    with pytest.raises(ValueError, match="--methods 'int4' is not one of"):
+        cfg.QuantizeConfig(methods=["ort-static", "int4"])
+
+
 @pytest.mark.parametrize("table, line, needle", [
     ("quantize", 'auto = "no"', "auto in [quantize] must be true or false, got 'no'"),
     ("train", 'baseline = "false"', "baseline in [train] must be true or false, got 'false'"),
