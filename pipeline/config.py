@@ -314,14 +314,19 @@ class ReportConfig:
 
 
 def check_compare_runs(config: ReportConfig, artifacts_dir: Path) -> None:
-    """--compare names runs of artifacts_dir: checked before any stage of the chain starts."""
-    from stages.run.artifacts import list_runs
+    """--compare names runs of artifacts_dir that have a report: checked before any stage of
+    the chain starts, not after the report has measured everything."""
+    from stages.run.artifacts import list_runs, open_run
 
     known = list_runs(artifacts_dir)
     missing = [name for name in config.compare or () if name not in known]
     if missing:
         raise ValueError(f"--compare: no run {', '.join(map(repr, missing))} in {artifacts_dir}; "
                          f"existing runs: {', '.join(known) or 'none'}")
+    for name in config.compare or ():
+        if "report/report.json" not in open_run(artifacts_dir, name).artifacts():
+            raise ValueError(f"--compare: run {name!r} has no report yet; run 'pipeline --run "
+                             f"{name} report' first")
 
 
 @dataclass

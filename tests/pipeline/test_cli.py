@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from pipeline import config as cfg
 from pipeline.cli import cli
+from stages.run import artifacts
 from stages.run.errors import PipelineError
 
 TINY = ["train", "--model", "smallcnn", "--image-size", "8", "--epochs", "1",
@@ -267,6 +268,12 @@ def test_compare_and_the_speedup_gate(cheap_run):
 
     missing = invoke(*base, "--run", "two", *FAST_REPORT, "--compare", "three")
     assert missing.exit_code == 2 and "--compare: no run 'three' in" in missing.stderr
+    shutil.copytree(cheap_run.root, artifacts_dir / "runs" / "unreported")
+    artifacts.open_run(artifacts_dir, "unreported").unregister("report/report.json")
+    unreported = invoke(*base, "--run", "two", *FAST_REPORT, "--compare", "unreported")
+    assert unreported.exit_code == 2 and unreported.stderr == (
+        "pipeline: error: --compare: run 'unreported' has no report yet; run 'pipeline --run "
+        "unreported report' first\n")
     assert json.loads((artifacts_dir / "runs" / "two" / "manifest.json").read_text())[
         "stages"]["report"]["status"] == "complete"  # the report made above stands
 
