@@ -191,8 +191,8 @@ def quantize(ctx: click.Context, **flags) -> Processor:
 def report(ctx: click.Context, **flags) -> Processor:
     """Measure every variant the same way; write report.md, report.json and plots."""
     take_run_options(ctx, flags)
-    flags |= {"quiet": ctx.obj["quiet"], "compare": flags["compare"] or None,
-              "device": ctx.obj["device"]}
+    flags = with_group_values(ctx, flags | {"compare": flags["compare"] or None}, "device",
+                              "quiet")
     config = config_from_flags(ctx, "report", flags)
 
     def process(run) -> None:
@@ -238,7 +238,7 @@ def export(ctx: click.Context, **flags) -> Processor:
     """Write a variant as a folder that runs without this project: its model file(s),
     preprocessing.json, predict.py and a manifest.json of sha256."""
     take_run_options(ctx, flags)
-    config = config_from_flags(ctx, "export", flags | {"quiet": ctx.obj["quiet"]})
+    config = config_from_flags(ctx, "export", with_group_values(ctx, flags, "quiet"))
 
     def process(run) -> None:
         from stages import export as export_stage

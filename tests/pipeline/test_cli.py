@@ -386,3 +386,25 @@ def test_every_flag_is_a_field_and_shows_the_default_the_stage_runs_with():
                                  ("quantize", "max_accuracy_drop"): "1",
                                  ("report", "batch_sizes"): "1,32"}.items():
         assert helps[stage, name].endswith(f"[default: {shown}]"), (stage, name)
+
+
+def test_a_report_table_in_a_config_file_is_not_hidden_by_the_groups_defaults(tmp_path,
+                                                                              monkeypatch):
+    """[report] device and quiet hold unless --device or --quiet is given (both were taken
+    from the group's defaults whether given or not)."""
+    from stages import report as report_stage
+
+    artifacts.create_run(tmp_path, "r")
+    config = tmp_path / "pipeline.toml"
+    config.write_text('[report]\ndevice = "cpu"\nquiet = true\n')
+    seen = []
+
+    def stop(config, run):
+        seen.append((config.device, config.quiet))
+        raise PipelineError("stop")
+
+    monkeypatch.setattr(report_stage, "run", stop)
+    base = ["--artifacts-dir", str(tmp_path), "--run", "r", "--config", str(config)]
+    invoke(*base, "report")
+    invoke(*base, "--device", "auto", "report")
+    assert seen == [("cpu", True), ("auto", True)]
