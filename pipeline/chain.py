@@ -30,6 +30,12 @@ def run_chain(processors: list[Processor], artifacts_dir: Path, run_name: str | 
 
     if not processors:
         return
+    late = next((stage for stage, _ in processors[1:] if stage in CREATES_A_RUN), None)
+    if late:  # after another stage it would replace the model of the run that stage used
+        from stages.run.errors import UsageError
+
+        raise UsageError(f"{late} starts a run, so it comes first in a chain (pipeline {late} "
+                         f"quantize report), not after {processors[0][0]}")
     _cap_isa_before_any_kernel(processors, train_precision, device,
                                (artifacts_dir, run_name) if resume else None)
     world = distributed.setup(device)  # a single process unless torchrun started us

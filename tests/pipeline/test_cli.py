@@ -54,6 +54,8 @@ def invoke(*args):
     (["train", "--dataset", "cifar10", "--in-channels", "1"],
      "--in-channels 1: --dataset cifar10 has 3 colour channels, which are not made grey; give "
      "--in-channels 3 or leave it out"),
+    (["report", "train"], "train starts a run, so it comes first in a chain (pipeline train "
+                          "quantize report), not after report"),
     (["train", "--init-weights", "/nonexistent.pt"],
      "--init-weights '/nonexistent.pt' is not a file"),
 ])
