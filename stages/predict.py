@@ -51,18 +51,36 @@ def image_files(paths) -> tuple[list[Path], list[Path]]:
     """(files, empty folders): paths given as they are, and everything in a folder that is
     not a folder itself, whatever its name: Pillow knows an image by its content (a .gif, a
     file with no extension), and what it cannot read is named as skipped, never dropped.
-    Hidden files and folders (.DS_Store, .git/) are left out of a folder, as ls leaves them."""
+    Hidden files and folders (.DS_Store, .git/) are left out of a folder, as ls leaves them.
+    Links to folders are followed, each folder once; a folder that cannot be listed is
+    returned among the files, so that it is named as skipped with why (read_image)."""
     files, empty = [], []
     for path in map(Path, paths):
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if not p.is_dir() and not any(
-                part.startswith(".") for part in p.relative_to(path).parts))
+            found = sorted(_folder_files(path, set()))
             files += found
             if not found:
                 empty.append(path)
         else:
             files.append(path)
     return files, empty
+
+
+def _folder_files(folder: Path, seen: set) -> list[Path]:
+    real = folder.resolve()
+    if real in seen:  # a link back up the tree
+        return []
+    seen.add(real)
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return [folder]
+    found = []
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        found += _folder_files(entry, seen) if entry.is_dir() else [entry]
+    return found
 
 
 def printable(text) -> str:

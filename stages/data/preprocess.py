@@ -79,6 +79,8 @@ def read_image(path) -> Image.Image:
         if hasattr(path, "read"):
             return _loaded(path)
         info = os.stat(path)
+        if stat.S_ISDIR(info.st_mode):  # a folder predict could not list: raises why
+            os.scandir(path).close()
         kind = next((name for test, name in FILE_KINDS if test(info.st_mode)), "not a file")
         if not stat.S_ISREG(info.st_mode):
             raise Unreadable(f"it is {kind}, not a regular file, so it was not opened")

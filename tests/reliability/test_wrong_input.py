@@ -213,6 +213,35 @@ def test_every_file_of_a_folder_is_predicted_or_named(tiny_run, tmp_path):
     assert ".DS_Store" not in result.stderr and ".git" not in result.stderr
 
 
+def test_linked_folders_are_followed_once_and_one_that_cannot_be_listed_is_named(
+        tiny_run, tmp_path, monkeypatch):
+    run, folder, elsewhere = tiny_run["run"], tmp_path / "photos", tmp_path / "elsewhere"
+    (folder / "locked").mkdir(parents=True)
+    elsewhere.mkdir()
+    _digit(folder / "a.png")
+    _digit(folder / "locked" / "c.png")
+    _digit(elsewhere / "b.png")
+    (folder / "linked").symlink_to(elsewhere)
+    (folder / "loop").symlink_to(folder)  # followed, it would never end
+    real_iterdir, real_scandir = Path.iterdir, os.scandir
+
+    def denied(*path):  # root lists any folder, so the refusal is simulated
+        if path and isinstance(path[0], (str, Path)) and Path(path[0]) == folder / "locked":
+            raise PermissionError(13, "Permission denied", str(path[0]))
+
+    monkeypatch.setattr(Path, "iterdir", lambda self: denied(self) or real_iterdir(self))
+    monkeypatch.setattr(os, "scandir", lambda *path: denied(*path) or real_scandir(*path))
+    result = _invoke("--artifacts-dir", str(run.artifacts_dir), "predict", str(folder),
+                     "--variant", "ort-static")
+    assert result.exit_code == 1, result.output
+    predicted = sorted(line.split(": ")[0] for line in result.stdout.strip().splitlines())
+    assert predicted == [str(folder / "a.png"), str(folder / "linked" / "b.png")], result.stderr
+    assert (f"pipeline: skipped {folder / 'locked'}: permission denied: this user cannot read "
+            "it") in result.stderr
+    assert result.stderr.strip().endswith("1 of 3 file(s) could not be predicted and were "
+                                          "skipped (named above)")
+
+
 def test_unreadable_files_say_why(tmp_path, monkeypatch, recwarn):
     spec = {"colour": "L", "image_size": 8}
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
