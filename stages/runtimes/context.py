@@ -23,7 +23,7 @@ from stages.data.subsets import (
 )
 from stages.measure.evaluate import accuracy
 from stages.run.artifacts import Run
-from stages.run.errors import PipelineError
+from stages.run.errors import PipelineError, UsageError
 from stages.run.files import remove_stale_temporaries
 from stages.run.progress import say
 from stages.run.trained import float_source
@@ -243,6 +243,10 @@ def context(run: Run, config, stage: str, **options) -> Iterator[QuantContext]:
     import torch
 
     source = float_source(run)
+    if source == "fp32" and run.entry("fp32")["stage"] == "train":  # not an imported model
+        raise UsageError(f"run {run.name!r} has train's fp32 baseline but not its amp model, "
+                         f"which {stage} starts from (train failed or was stopped); finish it "
+                         f"with 'pipeline --run {run.name} train --resume', or train again")
     folder = run.root / "quantize"
     folder.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(folder)

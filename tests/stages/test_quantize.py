@@ -517,3 +517,17 @@ def test_a_quantize_that_fails_leaves_the_variants_an_earlier_one_made_whole(fre
     listed = {Path(record["path"]).name for entry in run.artifacts().values()
               for record in [entry, *entry.get("files", [])]}
     assert {p.name for p in (run.root / "quantize").iterdir()} <= listed
+
+
+def test_a_run_whose_amp_model_train_did_not_finish_is_refused_not_quantized_from_fp32(
+        fresh_tiny_run):
+    """train makes the fp32 baseline first: where amp then failed, quantize had made every
+    variant from the baseline without a word."""
+    run = fresh_tiny_run
+    assert run.entry("fp32")["stage"] == "train"
+    run.unregister("amp")
+    with pytest.raises(UsageError, match="run .fresh. has train's fp32 baseline but not its amp "
+                                         "model, which quantize starts from .* 'pipeline --run "
+                                         "fresh train --resume'"):
+        quantize.run(QuantizeConfig(methods="ort-static", quiet=True), run)
+    assert not (run.root / "quantize" / "model.onnx").exists()
