@@ -74,7 +74,7 @@ def validation_halves(size: int) -> tuple[list[int], list[int]]:
 
 
 def selection_set(splits: DataSplits, calibration_samples: int, seed: int,
-                  limit: int = SELECTION_IMAGES):
+                  limit: int = SELECTION_IMAGES, also_calibrated=()):
     """The images every choice is made on (--auto, the recommendation): the validation split
     plus training images that calibration did not see, at most ``limit``. Never test images.
     Quantization damage is a difference between two models on the same images, so training
@@ -82,13 +82,18 @@ def selection_set(splits: DataSplits, calibration_samples: int, seed: int,
     Only the chosen images are ever decoded (a large training split is not read whole).
     A validation split larger than ``limit`` gives a seeded sample of itself, in order: its
     first images would be its first classes where it lists them in order (an image folder),
-    as photos10's first training images were 7 of its 10 classes (stages/training/batchnorm.py)."""
+    as photos10's first training images were 7 of its 10 classes (stages/training/batchnorm.py).
+    ``also_calibrated``: (samples, seed) of other calibrations whose images stay out too (the
+    report's variants may come from quantize runs with other settings)."""
     import torch
 
     val = range(len(splits.val))
     if len(val) > limit:
         val = sorted(_seeded_order(len(val), seed)[:limit])
-    unseen = _seeded_order(len(splits.calibration), seed)[calibration_samples:][:limit - len(val)]
+    seen = {index for samples, other_seed in also_calibrated
+            for index in _seeded_order(len(splits.calibration), other_seed)[:samples]}
+    unseen = [index for index in _seeded_order(len(splits.calibration), seed)[calibration_samples:]
+              if index not in seen][:limit - len(val)]
     parts = [torch.utils.data.Subset(splits.val, val),
              torch.utils.data.Subset(splits.calibration, unseen)]
     return torch.utils.data.ConcatDataset(parts)

@@ -66,14 +66,23 @@ def doing_text(row: str, phase: str, batch_size: int | None = None) -> str:
     return json.dumps({"row": row, "phase": phase, "batch_size": batch_size})
 
 
+def calibrations(run: Run) -> set[tuple[int, int]]:
+    """(samples, seed) of each listed variant's quantize: one made by an earlier quantize with
+    other settings was calibrated on images the last one's record does not name."""
+    return {(entry["config"]["calibration_samples"], entry["config"].get("seed", 0))
+            for entry in run.artifacts().values()
+            if entry.get("stage") == "quantize" and entry.get("config", {}).get(
+                "calibration_samples")}
+
+
 def measure_variants(run: Run, config, threads: int, scratch: Path, skip=(),
                      doing: Doing = Doing()) -> tuple[list[dict], dict]:
     """Score every variant (every row but those in ``skip``) on the selection and test images,
     then time them all together; ``doing`` is told which row each step runs."""
     splits = splits_of_run(run)
     quantized_with = run.recorded_config("quantize")
-    selection = selection_set(splits, quantized_with.get("calibration_samples", 512),
-                              quantized_with.get("seed", 0))
+    calibrated = (quantized_with.get("calibration_samples", 512), quantized_with.get("seed", 0))
+    selection = selection_set(splits, *calibrated, also_calibrated=calibrations(run) - {calibrated})
     rows, loaded, logits, unmeasured = [], {}, {}, []
     served = [row for row in servings(run, config, threads, scratch) if row[0] not in skip]
     if not served:

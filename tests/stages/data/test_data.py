@@ -64,6 +64,30 @@ def test_the_selection_images_are_streamed_not_decoded_whole():
     assert len(images) == 1024 and val.decoded == 300 and train.decoded == 724
 
 
+def test_the_report_holds_out_what_every_listed_variants_quantize_calibrated_on():
+    """torch-static calibrated on 300 images, then ort-static made again on 100 with another
+    seed: the report's held-out training images leave out both calibrations."""
+    from types import SimpleNamespace
+
+    from stages.data.datasets import DataSplits
+    from stages.data.subsets import _seeded_order, selection_set
+    from stages.report.measuring import calibrations
+
+    def entry(samples, seed, stage="quantize"):
+        return {"stage": stage, "config": {"calibration_samples": samples, "seed": seed}}
+
+    run = SimpleNamespace(artifacts=lambda: {"amp": {"stage": "train", "config": {"seed": 0}},
+                                             "torch-static": entry(300, 0),
+                                             "ort-static": entry(100, 1)})
+    assert calibrations(run) == {(300, 0), (100, 1)}
+    splits = DataSplits(_Counting(1000), _Counting(50), _Counting(10), _Counting(1000),
+                        num_classes=10, in_channels=1, image_size=8)
+    selection = selection_set(splits, 100, 1, limit=1000, also_calibrated={(300, 0)})
+    held_out = set(selection.datasets[1].indices)
+    calibrated = set(_seeded_order(1000, 0)[:300]) | set(_seeded_order(1000, 1)[:100])
+    assert not held_out & calibrated and held_out | calibrated == set(range(1000))
+
+
 def test_a_class_sorted_validation_split_larger_than_the_selection_gives_every_class():
     """An image folder lists its classes in order: the selection's validation part must span
     them, and the images a fine-tuned variant is judged on must stay out of qat's half."""
