@@ -20,6 +20,7 @@ from pipeline.click_support import (
     PipelineGroup,
     as_usage_error,
     config_from_flags,
+    read_config_file,
     run_options,
     stage_options,
     take_run_options,
@@ -60,7 +61,7 @@ def cli(ctx: click.Context, artifacts_dir, run_name, device, seed, config_file, 
     pipeline report --run NAME --batch-sizes 1,8
     pipeline import --model mymodels:net --weights net.pt quantize report
     """
-    file_values = as_usage_error(cfg.read_config_file, config_file) if config_file else {}
+    file_values = as_usage_error(read_config_file, config_file) if config_file else {}
     default = click.core.ParameterSource.DEFAULT
     ctx.obj = {"file": file_values, "seed": seed, "device": device, "quiet": quiet,
                "chosen": {}, "given": {key for key in ("seed", "device", "quiet")

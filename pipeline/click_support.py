@@ -1,13 +1,14 @@
 """The Click pieces the commands of pipeline/cli.py share: the group's handling of failure (one
 line on stderr and an exit code), commands whose options may follow their paths, the --run and
 --artifacts-dir a stage may carry, each stage's options made from pipeline/flags.py and its
-config's dataclass, and a stage config built from the flags (a config that cannot be is a
-usage error, exit 2).
+config's dataclass, the --config file's tables, and a stage config built from the flags (a
+config that cannot be is a usage error, exit 2).
 """
 from __future__ import annotations
 
 import dataclasses
 import sys
+import tomllib
 import typing
 from pathlib import Path
 from typing import Callable
@@ -15,7 +16,7 @@ from typing import Callable
 import click
 
 from pipeline import config as cfg
-from pipeline.checks import DURATION_FIELDS
+from pipeline.checks import DURATION_FIELDS, type_error
 
 
 class PipelineGroup(click.Group):
@@ -101,6 +102,31 @@ def as_usage_error(build: Callable, *args, **kwargs):
         return build(*args, **kwargs)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def read_config_file(path: Path) -> dict[str, dict]:
+    """The stage tables ([train], [quantize], ...) of a TOML file, unknown keys refused."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"--config {path}: {exc}") from None
+    for stage, table in data.items():
+        if stage not in cfg.STAGE_CONFIGS:
+            raise ValueError(f"--config {path}: unknown table [{stage}]; known: "
+                             f"{', '.join(cfg.STAGE_CONFIGS)}")
+        if not isinstance(table, dict):
+            raise ValueError(f"--config {path}: [{stage}] must be a table of settings")
+        known = {f.name for f in dataclasses.fields(cfg.STAGE_CONFIGS[stage])}
+        for key, value in table.items():
+            if key not in known:
+                raise ValueError(f"--config {path}: unknown key {key!r} in [{stage}]; known: "
+                                 f"{', '.join(sorted(known))}")
+            if key in DURATION_FIELDS and isinstance(value, str):
+                continue  # a duration such as "5m": parsed, and refused, by its config
+            problem = type_error(cfg.STAGE_CONFIGS[stage], {key: value})
+            if problem:
+                raise ValueError(f"--config {path}: {key} in [{stage}] {problem}")
+    return data
 
 
 def config_from_flags(ctx: click.Context, stage: str, flags: dict):

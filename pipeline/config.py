@@ -5,15 +5,12 @@ Precedence: dataclass defaults < config file < command line. No torch here, so t
 """
 from __future__ import annotations
 
-import dataclasses
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline.checks import (
-    DURATION_FIELDS,
     at_least,
     check_types,
     choice,
@@ -22,7 +19,6 @@ from pipeline.checks import (
     greater_than,
     learning_rate,
     parse_int_list,
-    type_error,
 )
 from stages.data.datasets import DATASETS, SHAPES
 from stages.runtimes import VARIANTS, made_by_quantize
@@ -371,31 +367,6 @@ class ExportConfig:
 STAGE_CONFIGS = {"train": TrainConfig, "import": ImportConfig, "qat": QatConfig,
                  "quantize": QuantizeConfig, "report": ReportConfig, "predict": PredictConfig,
                  "export": ExportConfig}
-
-
-def read_config_file(path: Path) -> dict[str, dict]:
-    """The stage tables ([train], [quantize], ...) of a TOML file, unknown keys refused."""
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ValueError(f"--config {path}: {exc}") from None
-    for stage, table in data.items():
-        if stage not in STAGE_CONFIGS:
-            raise ValueError(f"--config {path}: unknown table [{stage}]; known: "
-                             f"{', '.join(STAGE_CONFIGS)}")
-        if not isinstance(table, dict):
-            raise ValueError(f"--config {path}: [{stage}] must be a table of settings")
-        known = {f.name for f in dataclasses.fields(STAGE_CONFIGS[stage])}
-        for key, value in table.items():
-            if key not in known:
-                raise ValueError(f"--config {path}: unknown key {key!r} in [{stage}]; known: "
-                                 f"{', '.join(sorted(known))}")
-            if key in DURATION_FIELDS and isinstance(value, str):
-                continue  # a duration such as "5m": parsed, and refused, by its config
-            problem = type_error(STAGE_CONFIGS[stage], {key: value})
-            if problem:
-                raise ValueError(f"--config {path}: {key} in [{stage}] {problem}")
-    return data
 
 
 def build_config(stage: str, file_values: dict[str, Any], flag_values: dict[str, Any]):
