@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from pipeline import config as cfg
+from pipeline.checks import DURATION_FIELDS
 from pipeline.cli import cli
 from stages import train
 from stages.data.datasets import load_dataset
@@ -193,7 +194,7 @@ def test_a_value_of_the_wrong_type_is_refused_naming_its_flag(stage, data):
     # A duration field takes text ("5m") by design: test_duration_fields_parse_units covers it.
     fields = [f for f in config_class.__dataclass_fields__.values()
               if f.type.removesuffix(" | None") in WRONG_TYPE and f.name != "model"
-              and f.name not in cfg.DURATION_FIELDS]
+              and f.name not in DURATION_FIELDS]
     field = data.draw(st.sampled_from(fields))
     value = data.draw(WRONG_TYPE[field.type.removesuffix(" | None")])
     extra = {"model": "smallcnn"} if stage == "train" else {}
@@ -231,6 +232,7 @@ def test_random_option_values_give_usage_errors_never_tracebacks(tmp_path, monke
     ran = []
     monkeypatch.setattr(train, "run", lambda config, run, resume=False: ran.append("train") or [])
     monkeypatch.setattr(report, "run", lambda config, run: ran.append("report") or {})
+    monkeypatch.setattr(report, "summary_table", lambda result: "")  # of the report not made
     result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "--quiet", "train",
                                       "--model", "smallcnn", "--epochs", epochs, "--lr", lr,
                                       "--batch-size", batch, "report", "--batch-sizes", sizes])
