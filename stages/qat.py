@@ -130,7 +130,7 @@ def _loop(config, graph, splits, device) -> Loop:
     warm-up (cut where --tuning-time cuts the epochs); no gradient clipping."""
     import torch
 
-    sampler = EpochSampler(len(splits.train), config.seed)
+    sampler = EpochSampler(len(splits.train), config.seed, batch_size=config.batch_size)
     loader = make_loader(splits.train, config.batch_size, sampler)
     optimizer = torch.optim.SGD(decay_groups(graph, 5e-4), lr=config.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from stages.data.loaders import make_loader
+from stages.data.loaders import make_loader, without_a_lone_image
 
 # At most this many training images recompute the statistics, in a forward pass every score
 # pays for: with 6,400 (100 batches) mobilenet_v2's epochs on photos10 took about 18.5 s, with
@@ -36,7 +36,8 @@ def _over_batches(forward: Callable, dataset, batch_size: int, device,
 
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
     whole_batches = max(1, IMAGES // batch_size) * batch_size  # each batch weighs the same
-    sample = torch.utils.data.Subset(dataset, order[:whole_batches].tolist())
+    count = without_a_lone_image(min(len(dataset), whole_batches), batch_size)
+    sample = torch.utils.data.Subset(dataset, order[:count].tolist())
     with torch.no_grad():
         for i, (images, _) in enumerate(make_loader(sample, batch_size)):
             before(i)

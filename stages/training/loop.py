@@ -76,7 +76,8 @@ def build_parts(config, splits: DataSplits, precision: Precision, device) -> Par
     if world.active:
         trained = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
-    sampler = EpochSampler(len(splits.train), config.seed, world.rank, world.world_size)
+    sampler = EpochSampler(len(splits.train), config.seed, world.rank, world.world_size,
+                           config.batch_size)
     loader = make_loader(splits.train, config.batch_size, sampler, config.workers,
                          pin_memory=device.type == "cuda",
                          timeout=config.loader_timeout if config.workers else 0)

@@ -669,3 +669,23 @@ def test_resume_takes_the_runs_own_configuration_with_todays_quiet_and_device(tm
                                                   "resolved_lr": 0.05})
     resumed = train.resumed_config(TrainConfig(quiet=True, device="cpu"), run)
     assert resumed == TrainConfig(**asdict(started) | {"quiet": True, "device": "cpu"})
+
+
+def test_a_last_batch_of_one_image_is_left_out_so_batchnorm_can_train(tmp_path):
+    """The built-in digits' 1,293 training images are 19 batches of 68 and one image, which
+    resnet18's BatchNorm on a 1x1 feature map could not normalise: train failed in epoch 1."""
+    from stages.data.loaders import EpochSampler
+
+    sampler = EpochSampler(1293, 0, batch_size=68)
+    left_out = []
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        drawn = list(sampler)
+        assert len(drawn) == len(sampler) == 1292 == len(set(drawn))
+        left_out += sorted(set(range(1293)) - set(drawn))
+    assert left_out[0] != left_out[1]  # another image each epoch
+    assert len(EpochSampler(1294, 0, batch_size=68)) == 1294
+    run = artifacts.create_run(tmp_path, "lone")
+    train.run(TrainConfig(model="resnet18", batch_size=68, epochs=1, lr=0.02, baseline=False,
+                          measure_memory=False, quiet=True), run)
+    assert run.entry("amp")["training"]["epochs"] == 1
