@@ -1,10 +1,11 @@
 """Predict with an exported model: python predict.py IMAGE_OR_FOLDER... [--top-k K]
 
 Prints the most probable class of each image (the K most probable with --top-k), as `pipeline
-predict` does. Needs torch, numpy and Pillow; predict_loop.py (the loop `pipeline predict`
-runs), preprocess.py and preprocessing.json beside this file say how an image becomes the
-model's input. model.pt2 is torch.export's format: loading it can run code from the file, so
-load only a folder whose manifest.json sha256 you have checked, from a source you trust.
+predict` does. Needs torch, numpy and Pillow (and torchao for an int8 model); predict_loop.py
+(the loop `pipeline predict` runs), preprocess.py and preprocessing.json beside this file say
+how an image becomes the model's input. model.pt2 is torch.export's format: loading it can
+run code from the file, so load only a folder whose manifest.json sha256 you have checked, from
+a source you trust.
 """
 import json
 import sys
@@ -27,6 +28,26 @@ def logits_of(model, autocast):
     return run
 
 
+def register_int8_passes():
+    """torchao's Inductor passes, without which an int8 graph compiles to float convolutions
+    between quantize and dequantize steps instead of oneDNN's int8 kernels."""
+    import logging
+    import warnings
+
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # torchao's import notice
+    # Inductor's int8 lowering copies a tensor the way it tells others not to.
+    warnings.filterwarnings("ignore", message="To copy construct from a tensor",
+                            category=UserWarning, module=r"torch\._inductor")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer  # noqa: F401
+    except ImportError:
+        print("predict.py: this int8 model needs torchao for its int8 kernels: pip install "
+              "'torchao>=0.18'", file=sys.stderr)
+        sys.exit(1)
+
+
 if __name__ == "__main__":
     args = predict_loop.arguments(__doc__, HERE)  # before the model loads: --help, sha256
     serving = json.loads((HERE / "manifest.json").read_text())["serving"]
@@ -35,10 +56,16 @@ if __name__ == "__main__":
     import torch._inductor.config
     import torch._inductor.lowering  # noqa: F401  registers PyTorch's quantized_decomposed ops
 
+    if serving.get("int8_passes"):
+        register_int8_passes()
     model = torch.export.load(str(HERE / "model.pt2")).module()
     if serving.get("channels_last"):  # the layout it trained and was timed in
         model = model.to(memory_format=torch.channels_last)
     if serving.get("compile"):
+        import logging
+
+        # A CPU build of torch on a machine without CUDA says so at the first compile.
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
         torch._inductor.config.freezing = True  # weights as constants: oneDNN's int8 kernels
         # Compiled as pipeline times it (stages/runtimes/inductor.py: COMPILE_OPTIONS).
         model = torch.compile(model, dynamic=False, options={

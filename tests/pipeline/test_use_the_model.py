@@ -18,6 +18,7 @@ from pipeline.cli import cli
 from stages.data import preprocess
 from stages.data.datasets import splits_of_run
 from stages.run.errors import UsageError
+from stages.runtimes import inductor
 from tests.conftest import FROM_QUANTIZE
 
 
@@ -229,9 +230,18 @@ def test_other_runtimes_export_and_predict_the_same_top_1(tiny_run, tmp_path, na
     if name.startswith("torch") or name == "amp":
         assert "model.pt2 is torch.export's format, whose loader can run code" in result.stderr
     paths, _ = _digit_files(tmp_path / "digits")
+    # The code Inductor generates, on stderr: an int8 graph must compile to int8 kernels there
+    # as in the report (without torchao's passes it compiled to float convolutions).
+    logs = {"TORCH_LOGS": "output_code"} if name == "torch-static" else {}
     proc = subprocess.run([sys.executable, str(out / "predict.py"), *map(str, paths)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=os.environ | logs)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    if logs:
+        assert "torchao" in json.loads((out / "manifest.json").read_text())["requires"]
+        kernels = {key: len(re.findall(pattern, proc.stderr))
+                   for key, pattern in inductor.KERNELS.items()}
+        assert kernels[("Conv", "int8")] > 0 and kernels[("Conv", "float")] == 0, kernels
     ours = [str(i) for i in pipeline.load(run.root, name).predict(paths).argmax(1)]
     theirs = [line.rsplit(": ", 1)[1].split(" ")[0] for line in proc.stdout.strip().splitlines()]
     # amp runs under bf16 autocast, where a batch of 16 and one of 12 round differently: the
