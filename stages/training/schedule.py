@@ -29,7 +29,17 @@ class CosineSchedule:
     def replan(self, step: int, total_steps: int) -> None:
         """End at ``total_steps``; past the warm-up, a cosine from the factor ``step`` has
         reached, so that a longer plan never raises the rate and a shorter one never drops it
-        at a step."""
-        if step > self.warmup_steps:
+        at a step. A warm-up still under way shrinks to a tenth of the new plan: --time first
+        plans 200 epochs, whose two epochs of warm-up had filled a plan cut to two (ending at
+        the peak rate) and half of a plan cut to one; where the shorter warm-up has passed
+        already, the cosine goes on from the rate reached."""
+        if step <= self.warmup_steps:
+            warmup = min(self.warmup_steps, max(total_steps // 10, 1))
+            if step >= warmup:
+                self.from_factor, self.from_step = self(step), step
+            else:
+                self.from_factor, self.from_step = 1.0, warmup
+            self.warmup_steps = warmup
+        else:
             self.from_factor, self.from_step = self(step), step
         self.total_steps = total_steps

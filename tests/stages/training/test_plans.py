@@ -2,6 +2,7 @@
 going on from the rate reached."""
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from stages.training.loop import Loop
@@ -41,14 +42,28 @@ def _train(loop: Loop, paces: list[float], budget: float, patience: int = 0):
 
 def test_a_plan_grows_when_epochs_get_faster_and_the_rate_never_rises_after_warm_up():
     """A first epoch of 25 s (warm-up, a busy hour), then 10 s each, in 100 s: 4 epochs fit at
-    first and 8 in the end, all of them run (the plan grows by two epochs at a time), and the
-    rate falls from the warm-up on to nearly zero at the last step."""
+    first and 8 in the end, all of them run (the plan grows by two epochs at a time). The
+    4-epoch plan's warm-up (a tenth) is over after epoch 1, so the rate falls from the one
+    reached to nearly zero at the last step."""
     rates, plans, stopped = _train(_loop(), [25.0] + [10.0] * 20, budget=100.0)
     assert plans == [4, 4, 6, 6, 6, 8, 8, 8]
     assert stopped == "time: 8 epochs fit --time (100 s for this model)"
-    cosine = rates[2 * STEPS:]
+    cosine = rates[STEPS:]
     assert all(later <= earlier for earlier, later in zip(cosine, cosine[1:]))
-    assert rates[2 * STEPS - 1] == 1.0 and rates[-1] < 0.01
+    assert rates[STEPS] == (STEPS + 1) / (2 * STEPS) and rates[-1] < 0.01
+
+
+@pytest.mark.parametrize("paces, plan, peak_at", [
+    ([10.0] * 3, 2, None),  # a plan of two: its warm-up had filled it, ending at the peak
+    ([10.0] * 40, 30, 2 * STEPS - 1),  # long enough for the whole two epochs of warm-up
+    ([10.0] * 20, 15, 15 - 1)])  # a tenth of 15 epochs: one and a half
+def test_the_warm_up_is_a_tenth_of_the_plan_at_most_two_epochs(paces, plan, peak_at):
+    rates, plans, _ = _train(_loop(), paces, budget=10.0 * plan)
+    assert plans[-1] == plan and rates[-1] < 0.03
+    if peak_at is None:
+        assert max(rates) < 1.0
+    else:
+        assert rates[peak_at] == 1.0 and rates[peak_at - 1] < 1.0
 
 
 def test_a_pace_on_the_edge_between_two_plans_does_not_change_the_plan_each_epoch():
