@@ -358,9 +358,10 @@ def _train_each(variants: list, splits: DataSplits, config, run: Run, device,
     """Each variant trained in turn; with ``resume``, one already listed is read back."""
     results = []
     # --time holds for the stage (loading the data and the range test ``spent`` some) and is
-    # shared by the models still to train, not spent twice.
-    to_train = [name for name, _ in variants if not (resume and name in run.artifacts())]
-    each = max(0.0, config.time - spent) / max(1, len(to_train)) if config.time else None
+    # shared by the models, not spent twice. Each model's share counts its time before a
+    # resume too (its restored wall clock), so a resumed amp keeps the share it started with:
+    # shared among the models still to train, it had been given the baseline's share as well.
+    each = max(0.0, config.time - spent) / len(variants) if config.time else None
     for name, precision in variants:
         if resume and name in run.artifacts():
             saved_result = run.entry(name)["training"]

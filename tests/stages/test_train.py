@@ -276,6 +276,26 @@ def test_the_time_budget_holds_for_the_stage_the_range_test_included(tmp_path, m
     assert alone.epochs_run == 3, "3 tiny epochs fit 5 s when nothing else spent it"
 
 
+def test_a_model_resumed_under_time_keeps_its_share_of_the_budget(monkeypatch):
+    """fp32 finished, amp stopped part way: resumed, amp's budget is the half it started with
+    (its wall clock so far counts against it), not the whole of --time."""
+    from types import SimpleNamespace
+
+    budgets = []
+
+    def trains(name, precision, splits, config, run, device, resume, baseline_epochs, each):
+        budgets.append((name, each))
+        return SimpleNamespace(variant=name, epochs_run=1)
+
+    monkeypatch.setattr(train, "train_variant", trains)
+    config = TrainConfig(**TINY_TRAIN | {"time": "100s"})
+    finished = SimpleNamespace(artifacts=lambda: {"fp32": {}}, entry=lambda name: {
+        "training": {"variant": "fp32", "epochs_run": 3}})
+    train._train_each([("fp32", None), ("amp", None)], None, config, finished, None,
+                      resume=True, spent=10.0)
+    assert budgets == [("amp", 45.0)]
+
+
 def test_batchnorm_and_biases_get_no_weight_decay():
     from stages.models.build import build_model
     from stages.training.loop import decay_groups
