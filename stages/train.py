@@ -333,6 +333,11 @@ def _set_up(config, run: Run, resume: bool) -> tuple:
     if world.active and device.type == "cuda":
         device = torch.device("cuda", world.local_rank)
     saved = run.recorded_config("train") if resume else {}
+    if saved.get("world_size", 1) != world.world_size:  # epochs were counted per rank's share
+        raise UsageError(f"run {run.name!r} trained in {saved.get('world_size', 1)} "
+                         f"process(es), and --resume here runs {world.world_size}: resume it "
+                         "with as many (torchrun --nproc_per_node), since its checkpoints count "
+                         "steps and its schedule in each process's share of the data")
     precision = Precision(saved["resolved_precision"]) if "resolved_precision" in saved \
         else resolve_precision(config.precision, device)
     cap_isa_for_bf16_training(precision.name, device.type)

@@ -296,6 +296,20 @@ def test_a_model_resumed_under_time_keeps_its_share_of_the_budget(monkeypatch):
     assert budgets == [("amp", 45.0)]
 
 
+def test_a_resume_in_another_number_of_processes_is_refused(tmp_path):
+    """Checkpoints count steps in each process's share of the data: resumed in one process, a
+    run of two would re-enter its epochs part way and end its schedule early."""
+    from dataclasses import asdict
+
+    from stages.run.errors import UsageError
+
+    run = artifacts.create_run(tmp_path, "ddp")
+    run.record_config("train", asdict(TrainConfig(**TINY_TRAIN)) | {"world_size": 2})
+    with pytest.raises(UsageError, match=r"run 'ddp' trained in 2 process\(es\), and --resume "
+                                         r"here runs 1: resume it with as many"):
+        train.run(TrainConfig(**TINY_TRAIN), run, resume=True)
+
+
 def test_batchnorm_and_biases_get_no_weight_decay():
     from stages.models.build import build_model
     from stages.training.loop import decay_groups
