@@ -183,6 +183,23 @@ def _drop_images(folder_dataset, bad: set[str]) -> None:
     folder_dataset.targets = [t for _, t in kept]
 
 
+def _check_classes(found, path: Path, least: int) -> None:
+    """Two classes or more, each with ``least`` images: one class trains nothing (its loss is
+    zero whatever the weights), and every class is split."""
+    from collections import Counter
+
+    if len(found.classes) < 2:
+        raise PipelineError(f"--dataset imagefolder: {path} has one class subfolder "
+                            f"({found.classes[0]}); a classifier needs two or more")
+    counts = Counter(found.targets)
+    short = next((name for i, name in enumerate(found.classes) if counts[i] < least), None)
+    if short is not None:
+        uses = "test, validation and training" if least == 3 else "validation and training"
+        raise PipelineError(f"--dataset imagefolder: class {short!r} in {path} has "
+                            f"{counts[found.class_to_idx[short]]} image(s); give every class "
+                            f"{least} or more (one each for {uses})")
+
+
 @register_dataset("imagefolder")
 def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
                 val_fraction: float = 0.1, in_channels: int | None = None,
@@ -229,9 +246,11 @@ def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
         if test.classes != augmented.classes:
             raise PipelineError(f"--dataset imagefolder: {root / 'train'} and {held_out} have "
                                 "different class subfolders")
+        _check_classes(augmented, root / "train", least=2)  # a validation and a training image
         train_idx, val_idx = stratified_split(augmented.targets, val_fraction, seed)
     else:
         augmented, plain = folder(root, True, True), folder(root, False, False)
+        _check_classes(augmented, root, least=3)  # a test, a validation and a training image
         rest, test_idx = stratified_split(augmented.targets, val_fraction, seed=0)
         rest_targets = [augmented.targets[i] for i in rest]
         train_part, val_part = stratified_split(rest_targets, val_fraction, seed)

@@ -134,6 +134,22 @@ def test_imagefolder_decodes_each_file_once_into_the_pixels_torchvision_gives(tm
         unkept.test[0]
 
 
+def test_an_image_folder_of_one_class_or_too_few_images_is_refused_saying_why(tmp_path):
+    """One class trains nothing (its loss is zero whatever the weights); a single folder is
+    split twice, so each class needs three images, not the two the split's own error asked."""
+    with pytest.raises(PipelineError, match=r"has one class subfolder \(class0\); a classifier "
+                                            "needs two or more"):
+        load_dataset("imagefolder", image_size=8, seed=0,
+                     data_dir=_png_folder(tmp_path / "one", classes=1, size=8))
+    with pytest.raises(PipelineError, match=r"class 'class0' in .*two has 2 image\(s\); give "
+                                            r"every class 3 or more \(one each for test, "
+                                            r"validation and training\)"):
+        load_dataset("imagefolder", image_size=8, seed=0,
+                     data_dir=_png_folder(tmp_path / "two", per_class=2, size=8))
+    assert len(load_dataset("imagefolder", image_size=8, seed=0, data_dir=_png_folder(
+        tmp_path / "three", per_class=3, size=8)).train) == 3
+
+
 def test_missing_data_names_the_folder_and_files(tmp_path):
     with pytest.raises(PipelineError) as raised:
         load_dataset("mnist", image_size=28, seed=0, data_dir=tmp_path)
