@@ -36,6 +36,9 @@ def run_chain(processors: list[Processor], artifacts_dir: Path, run_name: str | 
 
         raise UsageError(f"{late} starts a run, so it comes first in a chain (pipeline {late} "
                          f"quantize report), not after {processors[0][0]}")
+    # Where training runs: train's own device (a [train] table may name one the group's
+    # --device does not) picks the process group's backend and whether oneDNN needs its cap.
+    device = next((getattr(p, "device", device) for s, p in processors if s == "train"), device)
     _cap_isa_before_any_kernel(processors, train_precision, device,
                                (artifacts_dir, run_name) if resume else None)
     world = distributed.setup(device)  # a single process unless torchrun started us

@@ -122,6 +122,7 @@ def train(ctx: click.Context, resume: bool, **flags) -> Processor:
     from stages import train as train_stage
 
     process.preflight = lambda: train_stage.preflight(config)  # not run under --resume
+    process.device = config.device
     return "train", process
 
 

@@ -48,3 +48,25 @@ def test_under_torchrun_only_train_runs_on_every_rank_and_the_rest_alone(tmp_pat
                         train_precision="fp32")
         assert seen == expected
 
+
+
+def test_the_process_group_and_the_cap_follow_trains_own_device(tmp_path, monkeypatch):
+    """A [train] table's device = "cpu" under the group's --device auto: torchrun's backend
+    (NCCL on CUDA, Gloo on the CPU) and oneDNN's cap are chosen for the CPU (they had taken
+    the group's "auto", which picks NCCL on a GPU host, whose CPU tensors it cannot reduce)."""
+    from stages.training import precision
+
+    devices = []
+    monkeypatch.setattr(distributed, "setup", lambda device: devices.append(device) or
+                        distributed.World())
+    monkeypatch.setattr(precision, "cap_isa_for_bf16_training",
+                        lambda name, device: devices.append(device))
+
+    def train(run):
+        pass
+
+    train.device = "cpu"
+    run = artifacts.create_run(tmp_path, "r")
+    chain.run_chain([("train", train)], tmp_path, run.name, device="auto", quiet=True,
+                    resume=True, train_precision="bf16")
+    assert devices == ["cpu", "cpu"]
