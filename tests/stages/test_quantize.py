@@ -289,6 +289,13 @@ def test_auto_goes_on_to_qat_only_when_every_post_training_variant_misses_the_bu
     met, why = post_training_verdict(every_static_refused,
                                      ["ort-dynamic", "torch-static", "ort-static"], 1.0)
     assert not met and why.endswith("(ort-static not kept, torch-static not kept)")
+    # Nor do the float variants scored the same way (bf16 within a point of fp32 on any CPU
+    # with bf16 instructions had skipped QAT there), made or refused.
+    bf16 = run_with({"openvino-bf16": 0.1, "amp-compiled": 0.0, "torch-static": 2.5},
+                    ["ort-static", "torch-dynamic"])
+    met, why = post_training_verdict(bf16, ["amp-compiled", "torch-dynamic", "torch-static",
+                                            "ort-static", "openvino-bf16"], 1.0)
+    assert not met and why.endswith("(ort-static not kept, torch-static -2.50 points at worst)")
 
 
 @pytest.mark.slow
