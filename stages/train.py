@@ -16,7 +16,7 @@ import contextlib
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -33,7 +33,7 @@ from stages.run.checkpoints import (
     newest_good_checkpoint,
     weights_digest,
 )
-from stages.run.errors import PipelineError, UsageError
+from stages.run.errors import PipelineError
 from stages.run.files import (
     atomic_torch_save,
     atomic_write,
@@ -41,6 +41,7 @@ from stages.run.files import (
     remove_stale_temporaries,
 )
 from stages.run.progress import say
+from stages.run.trained import resumed_config
 from stages.training import batchnorm, distributed, failures, lr_range, plans
 from stages.training.loop import Hooks, Loop, Seen, build_parts, fit, recipe
 from stages.training.memory import PeakMemory, peak_memory_in_fresh_process
@@ -275,16 +276,6 @@ def preflight(config) -> None:
         initial_weights(config, build_model(config.model, classes, channels, config.image_size))
 
 
-def resumed_config(config, run: Run):
-    """The configuration ``run`` was started with, for --resume; quiet and device are
-    ``config``'s (today's)."""
-    saved = run.recorded_config("train")
-    if not saved:
-        raise UsageError(f"run {run.name!r} has no saved training configuration to resume")
-    kept = {f.name for f in fields(config)} - {"quiet", "device"}
-    return replace(config, **{k: v for k, v in saved.items() if k in kept})
-
-
 def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
     """Train `amp` and, unless config.baseline is off, the `fp32` baseline beside it.
 
@@ -296,7 +287,7 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
     import torch
 
     if resume:
-        config = resumed_config(config, run)
+        config = resumed_config(config, run, distributed.current().world_size)
     started = time.monotonic()
     device, precision, splits, config = _set_up(config, run, resume)
     # Where autocast resolves to fp32, `amp` is the baseline's computation step for step (same
@@ -333,11 +324,6 @@ def _set_up(config, run: Run, resume: bool) -> tuple:
     if world.active and device.type == "cuda":
         device = torch.device("cuda", world.local_rank)
     saved = run.recorded_config("train") if resume else {}
-    if saved.get("world_size", 1) != world.world_size:  # epochs were counted per rank's share
-        raise UsageError(f"run {run.name!r} trained in {saved.get('world_size', 1)} "
-                         f"process(es), and --resume here runs {world.world_size}: resume it "
-                         "with as many (torchrun --nproc_per_node), since its checkpoints count "
-                         "steps and its schedule in each process's share of the data")
     precision = Precision(saved["resolved_precision"]) if "resolved_precision" in saved \
         else resolve_precision(config.precision, device)
     cap_isa_for_bf16_training(precision.name, device.type)

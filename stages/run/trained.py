@@ -1,6 +1,6 @@
 """What a run's float model tells the stages after train (or import): which model they start
 from (`amp`, else an imported `fp32`), and the data it was trained on, read back from its
-manifest entry through a dataclass.
+manifest entry through a dataclass; and the configuration train --resume takes back.
 
 The stage configs themselves stay in pipeline/config.py, where the CLI builds and validates
 them: stages/ does not import pipeline/ (tests/test_layers.py), and a later stage needs only
@@ -8,7 +8,7 @@ the data fields, which every saved train and import config holds.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from stages.run.errors import UsageError
 
@@ -51,3 +51,19 @@ class DataConfig:
 def trained_data(run) -> DataConfig:
     """The data the run's float model was trained on, from its manifest entry."""
     return DataConfig.saved(run.entry(float_source(run))["config"])
+
+
+def resumed_config(config, run, world_size: int):
+    """The configuration ``run`` was started with, for --resume; quiet and device are
+    ``config``'s (today's). Refused in another number of processes (``world_size``) than it
+    started with: checkpoints count steps and the schedule in each process's share of the
+    data, so it would re-enter epochs part way and end its schedule early."""
+    saved = run.recorded_config("train")
+    if not saved:
+        raise UsageError(f"run {run.name!r} has no saved training configuration to resume")
+    if saved.get("world_size", 1) != world_size:
+        raise UsageError(f"run {run.name!r} trained in {saved.get('world_size', 1)} "
+                         f"process(es), and --resume here runs {world_size}: resume it with as "
+                         "many (torchrun --nproc_per_node)")
+    kept = {f.name for f in fields(config)} - {"quiet", "device"}
+    return replace(config, **{k: v for k, v in saved.items() if k in kept})

@@ -697,11 +697,11 @@ def test_resume_takes_the_runs_own_configuration_with_todays_quiet_and_device(tm
     run = artifacts.create_run(tmp_path, "resumed")
     with pytest.raises(UsageError, match="run 'resumed' has no saved training configuration "
                                          "to resume"):
-        train.resumed_config(TrainConfig(), run)
+        train.resumed_config(TrainConfig(), run, 1)
     started = TrainConfig(**TINY_TRAIN | {"lr": 0.05, "epochs": 3, "device": "auto"})
     run.record_config("train", asdict(started) | {"resolved_precision": "bf16",
                                                   "resolved_lr": 0.05})
-    resumed = train.resumed_config(TrainConfig(quiet=True, device="cpu"), run)
+    resumed = train.resumed_config(TrainConfig(quiet=True, device="cpu"), run, 1)
     assert resumed == TrainConfig(**asdict(started) | {"quiet": True, "device": "cpu"})
 
 
