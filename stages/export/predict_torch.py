@@ -3,9 +3,9 @@
 Prints the most probable class of each image (the K most probable with --top-k), as `pipeline
 predict` does. Needs torch, numpy and Pillow (and torchao for an int8 model); predict_loop.py
 (the loop `pipeline predict` runs), preprocess.py and preprocessing.json beside this file say
-how an image becomes the model's input. model.pt2 is torch.export's format: loading it can
-run code from the file, so load only a folder whose manifest.json sha256 you have checked, from
-a source you trust.
+how an image becomes the model's input. model.pt2 is torch.export's format:
+loading it can run code from the file, so load only a folder whose manifest.json sha256 you
+have checked, from a source you trust.
 """
 import json
 import sys
