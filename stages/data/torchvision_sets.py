@@ -183,11 +183,15 @@ def _drop_images(folder_dataset, bad: set[str]) -> None:
     folder_dataset.targets = [t for _, t in kept]
 
 
-def _check_classes(found, path: Path, least: int) -> None:
+def _check_classes(found, path: Path, least: int, held_out=None) -> None:
     """Two classes or more, each with ``least`` images: one class trains nothing (its loss is
-    zero whatever the weights), and every class is split."""
+    zero whatever the weights), and every class is split; ``held_out`` (its ImageFolder and
+    path), where there is one, has the same classes."""
     from collections import Counter
 
+    if held_out is not None and held_out[0].classes != found.classes:
+        raise PipelineError(f"--dataset imagefolder: {path} and {held_out[1]} have different "
+                            "class subfolders")
     if len(found.classes) < 2:
         raise PipelineError(f"--dataset imagefolder: {path} has one class subfolder "
                             f"({found.classes[0]}); a classifier needs two or more")
@@ -243,14 +247,11 @@ def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
     if (root / "train").is_dir() and held_out is not None:
         augmented, plain = folder(root / "train", True, True), folder(root / "train", False, False)
         test = folder(held_out, False, True)
-        if test.classes != augmented.classes:
-            raise PipelineError(f"--dataset imagefolder: {root / 'train'} and {held_out} have "
-                                "different class subfolders")
-        _check_classes(augmented, root / "train", least=2)  # a validation and a training image
+        _check_classes(augmented, root / "train", least=2, held_out=(test, held_out))
         train_idx, val_idx = stratified_split(augmented.targets, val_fraction, seed)
     else:
         augmented, plain = folder(root, True, True), folder(root, False, False)
-        _check_classes(augmented, root, least=3)  # a test, a validation and a training image
+        _check_classes(augmented, root, least=3)  # split twice: test, then validation
         rest, test_idx = stratified_split(augmented.targets, val_fraction, seed=0)
         rest_targets = [augmented.targets[i] for i in rest]
         train_part, val_part = stratified_split(rest_targets, val_fraction, seed)
