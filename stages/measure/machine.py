@@ -1,6 +1,7 @@
 """The machine a measurement ran on: CPU model and flags, the kernels' ISA, versions, GPU."""
 from __future__ import annotations
 
+import math
 import os
 import platform
 from pathlib import Path
@@ -17,11 +18,38 @@ def allowed_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def cpu_quota() -> float | None:
+    """The CPUs a cgroup's quota allows this process (docker --cpus 2, a Kubernetes limit),
+    which its affinity does not show: cgroup v2's cpu.max, else v1's CFS files; None where
+    there is no quota."""
+    try:
+        quota, period = (CGROUP / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota = (CGROUP / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (CGROUP / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    try:
+        return None if quota in ("max", "-1") else int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
 def inference_threads(asked: int | None = 0) -> int:
     """The threads a variant runs with: as asked, or one per CPU this process may run on (a
-    taskset or a container's cpuset leaves fewer than the machine has), capped at 8 (more
-    seldom help one call and crowd everything else)."""
-    return asked or min(len(allowed_cpus()), 8)
+    taskset or a container's cpuset leaves fewer than the machine has, and a CPU quota may
+    allow fewer still: 8 threads under a quota of 2 CPUs are throttled, and time unevenly),
+    capped at 8 (more seldom help one call and crowd everything else)."""
+    if asked:
+        return asked
+    quota = cpu_quota()
+    usable = len(allowed_cpus()) if quota is None else min(len(allowed_cpus()),
+                                                             max(1, math.ceil(quota)))
+    return min(usable, 8)
 
 
 def cpu_info() -> dict:

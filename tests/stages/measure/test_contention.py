@@ -1,6 +1,8 @@
 """A busy machine is noticed: the cores other processes used while a batch size was timed,
 read from /proc/stat, and the spread of each variant's rounds. A simulated machine stands in
 for /proc/stat and the clocks, so nothing here depends on what else runs on this one."""
+import math
+
 import pytest
 
 from stages.measure import contention, timing
@@ -203,3 +205,25 @@ def test_variants_run_with_a_thread_per_cpu_the_process_may_use():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.split() == ["1", "3"]
+
+
+@pytest.mark.parametrize("files, quota", [
+    ({"cpu.max": "150000 100000\n"}, 1.5),  # cgroup v2: docker --cpus 1.5
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 0.5),  # v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({}, None)])
+def test_a_cgroup_cpu_quota_bounds_the_threads_as_the_affinity_does(tmp_path, monkeypatch,
+                                                                     files, quota):
+    """docker --cpus or a Kubernetes limit leaves every CPU in the affinity mask: 8 threads
+    under a quota of 2 CPUs are throttled in turns and time unevenly."""
+    from stages.measure import machine
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(machine, "CGROUP", tmp_path)
+    monkeypatch.setattr(machine, "allowed_cpus", lambda: list(range(64)))
+    assert machine.cpu_quota() == quota
+    assert machine.inference_threads() == (8 if quota is None else math.ceil(quota))
+    assert machine.inference_threads(3) == 3
