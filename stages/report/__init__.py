@@ -26,7 +26,13 @@ from stages.report.diagnosis import (
     warnings_for,
 )
 from stages.report.markdown import markdown
-from stages.report.recommendation import check_gates, device_reference, on_device, verdict
+from stages.report.recommendation import (
+    check_gates,
+    device_reference,
+    gpu_verdict,
+    on_device,
+    verdict,
+)
 from stages.report.worker import measure
 from stages.run.artifacts import Run, open_run
 from stages.run.files import atomic_write_json, atomic_write_text
@@ -148,9 +154,9 @@ def _verdicts(rows: list[dict], reference: str, config, conditions: dict,
     budget = config.max_accuracy_drop
     on_gpu = None
     if gpu_rows:
-        on_gpu = contention.mark_verdict(verdict(
-            gpu_rows, device_reference(rows, reference, "cuda"), budget),
-            conditions, "cuda") | {"device": "cuda"}
+        on_gpu = gpu_verdict(gpu_rows, device_reference(rows, reference, "cuda"), budget)
+        if on_gpu["recommended"]:
+            on_gpu = contention.mark_verdict(on_gpu, conditions, "cuda") | {"device": "cuda"}
     return contention.mark_verdict(verdict(on_device(rows, "cpu"), reference, budget),
                                    conditions, "cpu") | {"device": "cpu", "gpu": on_gpu}
 
@@ -194,7 +200,8 @@ def summary_table(report: dict) -> str:
                      f"{r['accuracy']:>10.2%}"
                      + "".join(f"{r['latency_ms'][b]['p50']:>10.2f}" for b in sizes)
                      + f"{ratio:>14.2f}x")
-    for v in filter(None, (report["verdict"], report["verdict"].get("gpu"))):
+    for v in (v for v in (report["verdict"], report["verdict"].get("gpu"))
+              if v and v["recommended"]):
         lines.append(f"recommended on the {v.get('device', 'cpu').upper()}: {v['recommended']} "
                      f"({v['speedup']:.2f}x faster than {v['reference']}, "
                      f"{v['speedup_vs_best_float']:.2f}x the fastest float, "

@@ -368,6 +368,9 @@ def _gpu_paragraph(report: dict) -> list[str]:
     if not v:
         note = report["environment"].get("gpu_note")
         return [f"{note[0].upper()}{note[1:]}.", ""] if note else []
+    if not v["recommended"]:
+        return [f"**On the GPU** ({report['environment'].get('gpu')}): no recommendation: "
+                f"{v['why']}.", ""]
     big = v["per_batch_size"][str(v["batch_size"])]
     lines = [f"**On the GPU** ({report['environment'].get('gpu')}), for batches of "
              f"{v['batch_size']}: `{v['recommended']}`, {_ratio(big['speedup_vs_reference'])} "

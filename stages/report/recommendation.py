@@ -115,6 +115,18 @@ def verdict(rows: list[dict], reference: str, budget_points: float) -> dict:
             "max_accuracy_drop_points": budget_points, "reference": reference}
 
 
+def gpu_verdict(gpu_rows: list[dict], reference: str, budget_points: float) -> dict:
+    """The GPU rows' own verdict. Their accuracy is judged against the CPU's reference, so none
+    may keep within the budget (a flip or two of TF32 or bf16 under --max-accuracy-drop 0):
+    then no recommendation, and why, where verdict() would have had no row to rank."""
+    within = [r for r in gpu_rows if worst_accuracy_drop(r) <= budget_points + 1e-9]
+    if not within:
+        return {"recommended": None, "device": "cuda",
+                "why": f"no GPU row kept within {budget_points:g} point(s) of the CPU's "
+                       "reference on the held-out images at 95% confidence"}
+    return verdict(gpu_rows, reference, budget_points) | {"device": "cuda"}
+
+
 def check_gates(config, v: dict, folder) -> None:
     """--fail-under-speedup (against the reference, `amp` served eager) and
     --fail-under-float-speedup (against the fastest float variant): a CI gate fails once the

@@ -545,6 +545,14 @@ def test_gpu_rows_are_set_apart_from_cpu_rows_in_the_verdict_and_the_markdown(ti
     assert ("**On the GPU** (NVIDIA H200), for batches of 32: `amp@cuda`, 1.50x (1.50–1.50) "
             "faster than `fp32@cuda`") in text
     assert "recommended on the CUDA: amp@cuda" in report.summary_table(data)
+    # Judged against the CPU's reference, no GPU row may keep within the budget: no GPU
+    # recommendation, and why, where verdict() had raised an IndexError after all the measuring.
+    for row in gpu_rows:
+        row["validation"]["change_vs_reference"]["worst"] = -0.02
+    data["verdict"]["gpu"] = recommendation.gpu_verdict(gpu_rows, "fp32@cuda", 1.0)
+    assert ("**On the GPU** (NVIDIA H200): no recommendation: no GPU row kept within 1 point(s) "
+            "of the CPU's reference on the held-out images at 95% confidence.") in markdown(data)
+    assert "recommended on the CUDA" not in report.summary_table(data)
 
 
 def test_accuracy_and_top5_are_counted_on_the_test_split_from_the_variant_itself(tiny_run):
