@@ -37,6 +37,7 @@ from stages.run import isolated
 from stages.run.artifacts import Run, versions
 from stages.run.errors import PipelineError
 from stages.run.progress import say
+from stages.run.trained import FLOAT_MODELS
 from stages.runtimes import VARIANTS, gpu, load
 
 BELOW_AMX = "AVX512_CORE_BF16"  # the highest oneDNN ISA without AMX (VNNI and BF16 kept)
@@ -86,14 +87,20 @@ def amx_unused() -> bool:
             or "ONEDNN_MAX_CPU_ISA" in isolated.deployment_environment())
 
 
+def onednn_rows(rows: list[dict]) -> list[str]:
+    """The CPU rows whose int8 or bf16 kernels are oneDNN's, the trained models served eager
+    (amp under autocast) left out; torch-qat, a compiled PT2E graph as torch-static is, in."""
+    return [row["name"] for row in rows if row["device"] == "cpu"
+            and row["precision"] in ("int8", "bf16") and row["variant"] not in FLOAT_MODELS
+            and VARIANTS[row["variant"]].runtime in ONEDNN_RUNTIMES]
+
+
 def time_below_amx(run: Run, config, threads: int, rows: list[dict]) -> None:
     """Each int8 or bf16 CPU variant that runs oneDNN, but the trained models served eager,
     gets `below_amx`: its latency at the verdict's batch size (the largest) with oneDNN capped
     at BELOW_AMX, timed in a child of its own in the same harness, and `amx_speedup`, how many
     times faster it ran with AMX than without (below 1: AMX lost)."""
-    names = [row["name"] for row in rows if row["device"] == "cpu"
-             and row["precision"] in ("int8", "bf16") and not VARIANTS[row["variant"]].trained
-             and VARIANTS[row["variant"]].runtime in ONEDNN_RUNTIMES]
+    names = onednn_rows(rows)
     if not names or amx_unused():
         return
     say(f"report: timing {len(names)} variants again with oneDNN capped at {BELOW_AMX} ...",

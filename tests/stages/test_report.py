@@ -737,6 +737,21 @@ def test_a_sigkill_is_said_to_be_most_likely_the_out_of_memory_killer_with_the_m
     assert "out-of-memory" not in segfault
 
 
+def test_the_rows_timed_below_amx_are_the_compiled_and_runtime_ones_that_run_onednn():
+    from stages.report import worker
+
+    def row(name, precision, device="cpu"):
+        return {"name": name, "variant": name.split("@")[0], "precision": precision,
+                "device": device}
+
+    rows = [row("fp32", "fp32"), row("amp", "bf16"), row("amp-compiled", "bf16"),
+            row("torch-static", "int8"), row("torch-qat", "int8"), row("openvino-int8", "int8"),
+            row("openvino-fp32", "fp32"), row("amp@cuda", "bf16", "cuda")]
+    onednn = set(worker.onednn_rows(rows))
+    assert {"amp-compiled", "torch-static", "torch-qat", "openvino-int8"} <= onednn
+    assert not {"fp32", "amp", "openvino-fp32", "amp@cuda"} & onednn
+
+
 def test_a_variant_faster_below_amx_is_timed_there_and_said_with_both_figures(tiny_run,
                                                                                 monkeypatch):
     """time_below_amx times the int8 and bf16 variants that run oneDNN in a child capped below
