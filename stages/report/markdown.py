@@ -364,22 +364,18 @@ def _recipe_sentence(recipe: dict) -> str:
 
 def _gpu_paragraph(report: dict) -> list[str]:
     """The GPU's recommendation, or why there are no GPU rows."""
-    v = report["verdict"].get("gpu")
-    if not v:
-        note = report["environment"].get("gpu_note")
-        return [f"{note[0].upper()}{note[1:]}.", ""] if note else []
-    if not v["recommended"]:
-        return [f"**On the GPU** ({report['environment'].get('gpu')}): no recommendation: "
-                f"{v['why']}.", ""]
+    v, note = report["verdict"].get("gpu"), report["environment"].get("gpu_note")
+    notes = [f"{note[0].upper()}{note[1:]}.", ""] if note else []
+    if not v or not v["recommended"]:  # no GPU rows, or none within the budget
+        return ([f"**On the GPU** ({report['environment'].get('gpu')}): no recommendation: "
+                 f"{v['why']}.", ""] if v else []) + notes
     big = v["per_batch_size"][str(v["batch_size"])]
-    lines = [f"**On the GPU** ({report['environment'].get('gpu')}), for batches of "
-             f"{v['batch_size']}: `{v['recommended']}`, {_ratio(big['speedup_vs_reference'])} "
-             f"faster than `{v['reference']}` and {_ratio(big['speedup_vs_best_float'])} "
-             f"against the fastest float there, `{big['best_float']}`; "
-             f"{v['accuracy_change_points']:+.2f} points against `{report['reference']}` on "
-             "the test split. GPU rows are compared with GPU rows only.", ""]
-    note = report["environment"].get("gpu_note")
-    return lines + ([f"{note[0].upper()}{note[1:]}.", ""] if note else [])
+    return [f"**On the GPU** ({report['environment'].get('gpu')}), for batches of "
+            f"{v['batch_size']}: `{v['recommended']}`, {_ratio(big['speedup_vs_reference'])} "
+            f"faster than `{v['reference']}` and {_ratio(big['speedup_vs_best_float'])} "
+            f"against the fastest float there, `{big['best_float']}`; "
+            f"{v['accuracy_change_points']:+.2f} points against `{report['reference']}` on "
+            "the test split. GPU rows are compared with GPU rows only.", ""] + notes
 
 
 def markdown(report: dict) -> str:
