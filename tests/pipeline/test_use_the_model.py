@@ -64,6 +64,25 @@ def test_recommended_is_the_reports_choice_and_needs_a_report(tiny_run, fresh_ti
         pipeline.load("fresh", "ort-static", artifacts_dir=fresh_tiny_run.artifacts_dir)
 
 
+def test_recommended_is_refused_once_its_variant_is_made_again_after_the_report(tiny_run,
+                                                                               tmp_path):
+    """quantize run again after the report lists another file under the recommended name: the
+    report's figures are not that file's, so load, predict and export refuse it."""
+    from stages import runtimes
+    from tests.conftest import _copy
+
+    run = _copy(tiny_run["run"], tmp_path / "artifacts")
+    name = tiny_run["report"]["verdict"]["recommended"]
+    assert runtimes.resolve(run, "recommended") == name
+    manifest = run.manifest()
+    manifest["artifacts"][name]["sha256"] = "0" * 64  # as a file made again would list
+    run._write_manifest(manifest)
+    with pytest.raises(UsageError, match=f"its report recommends {name}, which was made again "
+                                         "since the report measured it; run 'pipeline report' "
+                                         "again, or name a variant"):
+        runtimes.resolve(run, "recommended")
+
+
 
 def test_a_run_folder_copied_anywhere_loads(tiny_run, tmp_path):
     import shutil
