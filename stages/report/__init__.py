@@ -36,7 +36,7 @@ from stages.report.recommendation import (
 from stages.report.worker import measure
 from stages.run.artifacts import Run, open_run
 from stages.run.files import atomic_write_json, atomic_write_text
-from stages.runtimes import gpu
+from stages.runtimes import gpu, vnni_mismatch
 
 FIGURES = {"latency-vs-size.png": "latency against size, each batch size",
            "speedup.png": "speed-up against the fastest float variant, and size",
@@ -169,6 +169,7 @@ def _warnings(run: Run, rows: list[dict], reference: str, config, training: dict
             + parity_warnings(measured["parity"]) + profile.failures(measured["profiles"])
             + isa_note(environment) + crash_warnings(measured["crashed"])
             + amx_warnings(rows, str(max(config.batch_sizes)))
+            + [m for m in dict.fromkeys(vnni_mismatch(run, r["variant"]) for r in rows) if m]
             + [f"{name} (quantize): {why}" for name, why in run.recorded_config(
                 "quantize").get("not_kept", {}).items()])
 

@@ -94,7 +94,31 @@ def loader(runtime: str):
 
 
 def load(run, name: str, threads: int) -> Loaded:
+    """``name`` of ``run`` ready to run here; warns where it was made for VNNI and this CPU
+    has none (vnni_mismatch)."""
+    import warnings
+
+    mismatch = vnni_mismatch(run, name)
+    if mismatch:
+        warnings.warn(mismatch, stacklevel=2)
     return LOADERS[VARIANTS[name].runtime](run, name, threads)
+
+
+def vnni_mismatch(run, name: str) -> str | None:
+    """Why ``name`` may compute wrongly on this CPU: made where VNNI ran it (full 8-bit weights,
+    stages/runtimes/pt2e.py and onnxruntime.py), it runs here without VNNI, whose AVX2 int8
+    products can saturate their 16-bit sums (full-range weights drifted the tiny model's logits
+    by half their spread on an AVX2 EPYC); None where it fits this CPU."""
+    from stages.measure.machine import cpu_has_vnni
+
+    quantization = run.entry(name).get("quantization") or {}
+    options = quantization | (quantization.get("options") or {})  # ORT's: the record itself
+    if cpu_has_vnni() or not (options.get("weight_bits") == 8
+                              or options.get("reduce_range") is False):
+        return None
+    return (f"{name} was made on a CPU with VNNI (full 8-bit weights), and this one has none, "
+            "where int8 products can saturate: make it again on this CPU (pipeline quantize) "
+            "before trusting its figures here")
 
 
 RECOMMENDED = "recommended"

@@ -300,3 +300,27 @@ def test_an_export_sets_the_onednn_cap_its_variant_ran_faster_under(cheap_run, t
     plain = export.run(ExportConfig(out_dir=str(tmp_path / "plain"), variant="onnx-fp32",
                                     quiet=True), cheap_run)
     assert "environment" not in json.loads((plain / "manifest.json").read_text())["serving"]
+
+
+def test_int8_made_for_vnni_warns_where_it_is_loaded_without_vnni(tiny_run, tmp_path,
+                                                                  monkeypatch):
+    """A run folder made on a CPU with VNNI (full 8-bit weights) and loaded on one without,
+    where AVX2's int8 products can saturate: a warning, and none where the CPU has VNNI or the
+    weights were made for one without (7-bit, reduce_range)."""
+    from stages import runtimes
+    from stages.measure import machine
+    from tests.conftest import _copy
+
+    run = _copy(tiny_run["run"], tmp_path / "artifacts")
+    manifest = run.manifest()
+    manifest["artifacts"]["ort-static"]["quantization"]["reduce_range"] = False
+    manifest["artifacts"]["torch-static"]["quantization"]["options"]["weight_bits"] = 7
+    run._write_manifest(manifest)  # as made on a CPU with VNNI, and torch-static without
+    monkeypatch.setattr(machine, "cpu_has_vnni", lambda: False)
+    with pytest.warns(UserWarning, match="ort-static was made on a CPU with VNNI .* make it "
+                                         "again on this CPU"):
+        pipeline.load(run.root, "ort-static")
+    assert runtimes.vnni_mismatch(run, "torch-static") is None
+    assert runtimes.vnni_mismatch(run, "amp") is None
+    monkeypatch.setattr(machine, "cpu_has_vnni", lambda: True)
+    assert runtimes.vnni_mismatch(run, "ort-static") is None
