@@ -237,12 +237,13 @@ def run(config, run: Run) -> list[str]:
     made = []
     with context(run, config, "qat") as ctx:
         tuned = fine_tune(config, ctx, device)
-        for name, registered in runtimes.VARIANTS.items():
-            if registered.stage != "qat":
-                continue
-            # An earlier fine-tuning's variant goes, made again or not: openvino-qat would
-            # otherwise be read from the ort-qat of a fine-tuning this one replaced.
+        names = [name for name, v in runtimes.VARIANTS.items() if v.stage == "qat"]
+        # An earlier fine-tuning's variants go, all before any is made: openvino-qat would
+        # otherwise be read from the ort-qat of a fine-tuning this one replaced, and one left
+        # listed where a later one failed would stand beside this fine-tuning's torch-qat.
+        for name in names:
             run.unregister(name)
-            if registered.make(ctx, tuned) is not None:
+        for name in names:
+            if runtimes.VARIANTS[name].make(ctx, tuned) is not None:
                 made.append(name)
     return made

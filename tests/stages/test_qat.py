@@ -493,3 +493,26 @@ class _NoArtifacts:
 
     def artifacts(self):
         return {"amp": {}}
+
+
+@pytest.mark.slow
+def test_a_qat_that_fails_part_way_leaves_no_variant_of_the_fine_tuning_it_replaced(
+        tiny_qat_run, tmp_path, monkeypatch):
+    """ort-qat's making fails after torch-qat is made again: the earlier fine-tuning's
+    openvino-qat must not stand listed beside the new torch-qat (it was unregistered only just
+    before its own making, which never came)."""
+    import dataclasses
+
+    from tests.conftest import _copy
+
+    run = _copy(tiny_qat_run["run"], tmp_path / "artifacts")
+    assert "openvino-qat" in run.artifacts()
+
+    def fails(ctx, tuned):
+        raise PipelineError("ort-qat: failed")
+
+    monkeypatch.setitem(runtimes.VARIANTS, "ort-qat",
+                        dataclasses.replace(runtimes.VARIANTS["ort-qat"], make=fails))
+    with pytest.raises(PipelineError, match="ort-qat: failed"):
+        qat.run(QatConfig(epochs=1, quiet=True), run)
+    assert not {"ort-qat", "openvino-qat"} & set(run.artifacts())
