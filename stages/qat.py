@@ -110,7 +110,16 @@ def fine_tune(config, ctx: QuantContext, device) -> qat_runtime.FineTuned:
     tuning = Tuning(config, _loop(config, graph, splits, device), graph, splits.calibration,
                     choosing, plans.Plan(config.epochs, config.freeze_bn_after,
                                          config.freeze_observers_after), time.perf_counter())
-    fit(tuning.loop, _hooks(tuning))
+    try:
+        fit(tuning.loop, _hooks(tuning))
+    except RuntimeError as exc:  # --precision bf16 or fp16 (_precision says why)
+        half = tuning.loop.precision.name
+        if half == "fp32":
+            raise
+        raise PipelineError(f"qat --precision {half} failed ({' '.join(str(exc).split())[:200]}"
+                            "): torchao's fake quantizers take float32 alone, and fail where an "
+                            "activation reaches one in half precision; fine-tune with "
+                            "--precision fp32 (or auto)") from exc
     # Kept as scored, observers off, whether the best epoch's weights were loaded or the last
     # epoch's stay (its _end_epoch lets them go on where the plan has not frozen them yet).
     qat_runtime.observe(graph, False)

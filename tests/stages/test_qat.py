@@ -416,6 +416,19 @@ def _user_run(tmp_path, monkeypatch, factory, precision="auto"):
 
 
 @pytest.mark.slow
+def test_qat_asked_for_bf16_on_a_model_it_cannot_take_says_why_in_one_line(tmp_path,
+                                                                           monkeypatch):
+    """The "deep" net's first ReLU has no BatchNorm before it: fine-tuned under bf16 autocast,
+    it feeds a fake quantizer bfloat16, which torchao refuses (torch's own error had ended the
+    stage)."""
+    run = _user_run(tmp_path, monkeypatch, "deep")
+    with pytest.raises(PipelineError, match=r"qat --precision bf16 failed \(.*\): torchao's fake "
+                                            "quantizers take float32 alone.* fine-tune with "
+                                            r"--precision fp32 \(or auto\)"):
+        qat.run(QatConfig(epochs=1, quiet=True, precision="bf16"), run)
+
+
+@pytest.mark.slow
 def test_stochastic_depth_is_off_in_fine_tuning_so_the_int8_model_is_deterministic(
         tmp_path, monkeypatch):
     """Exported for training, StochasticDepth becomes bernoulli_ ops that eval mode keeps:
