@@ -73,7 +73,10 @@ def pt2e_options(dynamic: bool = False, observer: str = "histogram", qat: bool =
     options = {"dynamic": dynamic, "per_channel": True, "weight_bits": 8 if vnni else 7}
     if dynamic:
         return options
-    return options | {"observer": observer, "float_depthwise": not vnni and not qat}
+    # QAT's activations are fake-quantized by torchao's moving-average observer, whatever
+    # ``observer`` says: recorded as such, not as the histogram post-training would use.
+    return options | {"observer": "moving average (fake quantization)" if qat else observer,
+                      "float_depthwise": not vnni and not qat}
 
 
 def depthwise_names(model) -> list[str]:

@@ -61,6 +61,7 @@ def test_the_qat_stage_leaves_a_checked_int8_model(tiny_qat_run):
     info = entry["quantization"]
     assert entry["stage"] == "qat" and entry["parent"] == "amp"
     assert info["qat"] is True and [h["epoch"] for h in info["history"]] == [1]
+    assert info["options"]["observer"] == "moving average (fake quantization)"  # not histogram
     # --tuning-time cut the three epochs asked to the one run, and the freezes with them.
     assert (info["epochs_asked"], info["epochs"], info["tuning_time_s"]) == (3, 1, 1e-3)
     assert (info["freeze_bn_after"], info["freeze_observers_after"]) == (1, 1)
