@@ -251,6 +251,8 @@ def _meta_forward(name: str, num_classes: int, in_channels: int, image_size: int
     module's output per sample (what backward keeps) and the parameter count."""
     import torch
 
+    if ":" in name:  # a user's module: its top level runs once, here on the CPU, not on meta
+        _user_factory(name)
     try:
         with torch.device("meta"):
             model = build_model(name, num_classes, in_channels, image_size)
@@ -276,10 +278,20 @@ def _meta_forward(name: str, num_classes: int, in_channels: int, image_size: int
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def _works(name: str, num_classes: int, in_channels: int, size: int) -> bool:
+def _works(name: str, num_classes: int, in_channels: int, size: int, real=False) -> bool:
+    """Whether the model's training forward pass takes a batch of this size: on the meta
+    device, or with ``real`` on the CPU, for a forward that meta cannot run (one that reads
+    its data: `if x.max() > 1`, `.item()`)."""
+    import torch
+
     try:
-        _meta_forward(name, num_classes, in_channels, size)
-        return True
+        if not real:
+            _meta_forward(name, num_classes, in_channels, size)
+            return True
+        with torch.no_grad():
+            out = build_model(name, num_classes, in_channels, size).train()(
+                torch.zeros(2, in_channels, size, size))
+        return isinstance(out, torch.Tensor) and tuple(out.shape) == (2, num_classes)
     except Exception:
         return False
 
@@ -321,6 +333,8 @@ def check_model_fits(name: str, num_classes: int, in_channels: int, image_size: 
     except Exception as exc:
         reason = " ".join(str(exc).split())[:200] or type(exc).__name__
         works = [s for s in PROBE_SIZES if _works(name, num_classes, in_channels, s)]
+        if not works and _works(name, num_classes, in_channels, image_size, real=True):
+            return  # a forward that reads its data, which meta cannot: nothing to say
         if not works:  # not a matter of size: the model's own error, or the data's channels
             raise UsageError(
                 f"--model {name} fails on a batch of {in_channels}-channel {image_size}x"

@@ -149,6 +149,34 @@ def test_a_users_model_that_fails_at_every_size_is_not_blamed_on_the_size(tmp_pa
     assert "cannot train on" not in message and message.endswith("fix the model or choose another")
 
 
+def test_a_users_model_that_reads_its_data_or_holds_a_module_level_tensor_is_accepted(
+        tmp_path, monkeypatch):
+    """The size check runs the forward on the meta device: a module's top-level tensor made
+    under it stayed meta for the real model (its first step failed after the check passed),
+    and a forward that reads its data (`if x.max() > 1`) cannot run there at all (it was
+    refused as failing at every size)."""
+    (tmp_path / "datanets.py").write_text(
+        "import torch\nimport torch.nn as nn\n"
+        "SCALE = torch.ones(1)\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self, num_classes, reads):\n"
+        "        super().__init__()\n        self.fc = nn.Linear(64, num_classes)\n"
+        "        self.reads = reads\n"
+        "    def forward(self, x):\n"
+        "        if self.reads and x.max() > 1:\n            x = x / 255\n"
+        "        return self.fc((x * SCALE).flatten(1))\n"
+        "def scaled(num_classes):\n    return Net(num_classes, False)\n"
+        "def reads(num_classes):\n    return Net(num_classes, True)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("datanets:scaled", "datanets:reads"):
+        check_model_fits(name, 10, 1, 8, 64, CPU)
+        assert build_model(name, 10, 1, 8)(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+    with pytest.raises(UsageError, match="fails on a batch of 1-channel 16x16 images at every "
+                                         "size"):
+        check_model_fits("datanets:reads", 10, 1, 16, 64, CPU)  # 256 inputs, not 64
+
+
 def test_a_size_that_cannot_fit_in_memory_is_refused_with_what_fits():
     with pytest.raises(UsageError) as raised:
         check_model_fits("resnet18", 10, 1, 100_000, 64, CPU, dataset_bytes=1797 * 4 * 10**10)
