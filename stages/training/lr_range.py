@@ -135,11 +135,7 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> tuple[float,
         curve = range_test(config, splits, precision, device)
     except NeverFell as exc:
         if planned is not None and LONG_STEPS > 2 * planned:  # the second test would outrun it
-            lr = RULE_PER_256 * batch / 256
-            say(f"--lr auto: the first test chose no learning rate ({exc.detail}); {lr:.3g}, by "
-                f"the linear-scaling rule: a second test takes {LONG_STEPS} steps, training "
-                f"{planned}", quiet=config.quiet)
-            return lr, LINEAR_SCALING
+            return _rule_after_one_test(config, splits, batch, planned, exc)
         say(f"--lr auto: the first test chose no learning rate ({exc.detail}); trying again "
             f"over {LONG_STEPS} steps, each learning rate held longer ...", quiet=config.quiet)
         try:
@@ -160,6 +156,25 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> tuple[float,
         f"{CLIMB - 1:.0%} above it at {curve['climbed']:.3g}, {curve['steps']} steps{capped})",
         quiet=config.quiet)
     return curve["chosen"], RANGE_TEST
+
+
+def _rule_after_one_test(config, splits, batch: int, planned: int, never: NeverFell):
+    """(the linear-scaling rule's rate, why) where the first test could not be read and a
+    second would take more than twice the training's steps, once the pixels show the labels
+    belong to the images (the probes that check it elsewhere would outrun training too)."""
+    pixels, learnable = distributed.broadcast(pixels_predict_labels(splits, config.seed))
+    if not learnable:
+        raise NothingLearned(f"--lr auto: nothing was learned: the training loss never fell in "
+                             f"the range test ({never.detail}), and {pixels}; check that the "
+                             "labels belong to the images (shuffled labels look like this), or "
+                             "give --lr yourself")
+    lr = RULE_PER_256 * batch / 256
+    say(f"--lr auto: the first test chose no learning rate ({never.detail}); {lr:.3g}, by the "
+        f"linear-scaling rule: a second test takes {LONG_STEPS} steps, training {planned}",
+        quiet=config.quiet)
+    return lr, (f"linear-scaling rule (0.1 per 256 images a step; the range test's loss fell "
+                f"too little to read ({never.detail}), and a second test would take more than "
+                f"twice the training's {planned} steps; {pixels})")
 
 
 def probed_rate(config, splits, precision, device, never: NeverFell) -> tuple[float, str]:

@@ -453,7 +453,11 @@ def test_a_range_test_whose_loss_never_fell_runs_once_more_held_longer(tmp_path,
 def test_a_second_range_test_longer_than_the_training_gives_way_to_the_rule(tmp_path,
                                                                            monkeypatch):
     """100 planned steps: the first test (150) runs, the second (450) would take more than
-    twice the training, so the rule stands where the first could not be read."""
+    twice the training, so the rule stands where the first could not be read, recorded as
+    such (it had been recorded as "a range test would take more than twice the training's
+    steps", which one had just taken), once the pixels show the labels belong to the images
+    (shuffled labels had gone on to train at the rule's rate)."""
+    from stages.report.markdown import _lr_sentence
     from stages.training import lr_range
 
     tried = []
@@ -463,13 +467,25 @@ def test_a_second_range_test_longer_than_the_training_gives_way_to_the_rule(tmp_
         raise lr_range.NeverFell([1e-3, 1.0], "the smoothed loss went from 2.3 to 2.25")
 
     monkeypatch.setattr(lr_range, "range_test", unreadable)
+    monkeypatch.setattr(lr_range, "pixels_predict_labels",
+                        lambda splits, seed: ("the pixels scored 90.0%", True))
     config = TrainConfig(**TINY_TRAIN | {"lr": "auto", "epochs": 5})
     digits = _splits(1293)  # 21 steps an epoch at batch 64, the last one short
     assert lr_range.planned_steps(config, digits, FP32) == 105
     run = artifacts.create_run(tmp_path, "short")
-    assert lr_range.peak_lr(config, digits, FP32, None, run, {}) == (
-        pytest.approx(0.025), lr_range.LINEAR_SCALING)
-    assert tried == [lr_range.MAX_STEPS]
+    lr, why = lr_range.peak_lr(config, digits, FP32, None, run, {})
+    assert lr == pytest.approx(0.025) and tried == [lr_range.MAX_STEPS]
+    assert _lr_sentence({"learning_rate": {"value": lr, "found_by": why}}) == (
+        " Peak learning rate 0.025, by Goyal et al.'s linear-scaling rule (0.1 per 256 images a "
+        "step): the range test's loss fell too little to read (the smoothed loss went from 2.3 "
+        "to 2.25), and a second test would take more than twice the training's 105 steps; the "
+        "pixels scored 90.0%.")
+    monkeypatch.setattr(lr_range, "pixels_predict_labels",
+                        lambda splits, seed: ("the pixels scored 10.0%", False))
+    with pytest.raises(lr_range.NothingLearned, match="never fell in the range test .*, and the "
+                                                      "pixels scored 10.0%; check that the "
+                                                      "labels belong to the images"):
+        lr_range.peak_lr(config, digits, FP32, None, run, {})
 
 
 @pytest.mark.slow
