@@ -52,16 +52,29 @@ def _style(rows: list[dict]) -> dict[str, dict]:
     return styles
 
 
+def device_fronts(rows: list[dict], size: str) -> dict[str, list[tuple[float, float, str]]]:
+    """Per device, its rows' Pareto front at batch ``size`` as (MB, p50 ms, name), smallest
+    first: a GPU row, as large as its CPU twin and far faster, is no CPU variant's rival."""
+    fronts = {}
+    for device in dict.fromkeys(r.get("device", "cpu") for r in rows):
+        points = [(r["size_bytes"] / 1e6, r["latency_ms"][size]["p50"], r["name"])
+                  for r in rows if r.get("device", "cpu") == device]
+        fronts[device] = sorted((p for p in points if p[2] in pareto_front(points)),
+                                key=lambda p: p[0])
+    return fronts
+
+
 def latency_vs_size(rows: list[dict], path: Path) -> None:
     """One panel per batch size: shipped size against p50 latency, the Pareto front drawn."""
     sizes = list(rows[0]["latency_ms"])
     plt, fig, axes = _figure(5.2 * len(sizes) + 2.6, 4.6, ncols=len(sizes))
     styles = _style(rows)
     for ax, size in zip(axes, sizes):
-        points = [(r["size_bytes"] / 1e6, r["latency_ms"][size]["p50"], r["name"]) for r in rows]
-        front = sorted((p for p in points if p[2] in pareto_front(points)), key=lambda p: p[0])
-        ax.plot([p[0] for p in front], [p[1] for p in front], color="black", linewidth=0.8,
-                linestyle="--", zorder=1, label="Pareto front (nothing is smaller and faster)")
+        for device, front in device_fronts(rows, size).items():
+            ax.plot([p[0] for p in front], [p[1] for p in front], color="black",
+                    linewidth=0.8, linestyle="--" if device == "cpu" else ":", zorder=1,
+                    label=f"Pareto front{'' if device == 'cpu' else ' on the GPU'} (nothing "
+                          "on its device is smaller and faster)")
         for row in rows:
             style = styles[row["name"]]
             ax.scatter(row["size_bytes"] / 1e6, row["latency_ms"][size]["p50"], s=70,

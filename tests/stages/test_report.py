@@ -495,6 +495,15 @@ def test_the_pareto_front_keeps_what_nothing_beats_on_both_counts():
     assert plots.pareto_front(points) == ["openvino-int8"]
     points.append((3.0, 20.0, "tiny-slow"))
     assert plots.pareto_front(points) == ["openvino-int8", "tiny-slow"]
+    # A GPU row, the size of its CPU twin and far faster, has a front of its own: on one
+    # front it had beaten amp and ended the CPU's line at a point no CPU serves.
+    rows = [{"name": name, "size_bytes": mb * 1e6, "latency_ms": {"32": {"p50": ms}},
+             **({"device": "cuda"} if "@" in name else {})}
+            for name, mb, ms in (("amp", 44.0, 10.0), ("ort-static", 11.0, 4.0),
+                                 ("amp@cuda", 44.0, 0.5))]
+    fronts = plots.device_fronts(rows, "32")
+    assert {d: [p[2] for p in f] for d, f in fronts.items()} == {
+        "cpu": ["ort-static"], "cuda": ["amp@cuda"]}
 
 
 def torch_has_cuda() -> bool:
