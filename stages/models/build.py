@@ -251,7 +251,10 @@ def _meta_forward(name: str, num_classes: int, in_channels: int, image_size: int
     module's output per sample (what backward keeps) and the parameter count."""
     import torch
 
-    if ":" in name:  # a user's module: its top level runs once, here on the CPU, not on meta
+    # A module's top level runs once, at its first import: here on the CPU, not under meta.
+    if name.startswith("timm:"):
+        _timm()
+    elif USER_MODEL.match(name):
         _user_factory(name)
     try:
         with torch.device("meta"):
