@@ -42,7 +42,8 @@ def cpu_quota() -> float | None:
 def inference_threads(asked: int | None = 0) -> int:
     """The threads a variant runs with: as asked, or one per CPU this process may run on (a
     taskset or a container's cpuset leaves fewer than the machine has, and a CPU quota may
-    allow fewer still: 8 threads under a quota of 2 CPUs are throttled, and time unevenly),
+    allow fewer still: more threads than the quota's CPUs use it up early in each CFS
+    period and wait out the rest; not measured here, where no quota is set),
     capped at 8 (more seldom help one call and crowd everything else)."""
     if asked:
         return asked

@@ -215,8 +215,8 @@ def test_variants_run_with_a_thread_per_cpu_the_process_may_use():
     ({}, None)])
 def test_a_cgroup_cpu_quota_bounds_the_threads_as_the_affinity_does(tmp_path, monkeypatch,
                                                                      files, quota):
-    """docker --cpus or a Kubernetes limit leaves every CPU in the affinity mask: 8 threads
-    under a quota of 2 CPUs are throttled in turns and time unevenly."""
+    """docker --cpus or a Kubernetes limit leaves every CPU in the affinity mask; the quota
+    alone says how many CPUs the threads may use."""
     from stages.measure import machine
 
     for name, text in files.items():
