@@ -81,8 +81,9 @@ class Checkpointer:
         self.run.register(name, path, kind="checkpoint", stage="train", parent=self.variant,
                           config=self.config_dict, step=step, epoch=state["position"]["epoch"])
         self.run.register_alias(f"{self.variant}/checkpoint-last", of=name)
-        if best:
-            atomic_torch_save(state, self.folder / "checkpoint-best.pt")
+        if best:  # the weights alone: a resume takes the rest from the newest checkpoint
+            atomic_torch_save({"model": state["model"], "position": state["position"]},
+                              self.folder / "checkpoint-best.pt")
             self.run.register(f"{self.variant}/checkpoint-best", self.folder / "checkpoint-best.pt",
                               kind="checkpoint-best", stage="train", parent=self.variant,
                               step=step, epoch=state["position"]["epoch"])

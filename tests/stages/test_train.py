@@ -115,6 +115,9 @@ def test_model_pt_is_the_last_epoch_unless_an_earlier_is_better_beyond_noise(
     for name, same in ((kept, True), (other, False)):
         weights = loading.load_checkpoint(run.verified_path(f"amp/{name}"))["model"]
         assert all(torch.equal(saved[k], weights[k]) for k in saved) == same, name
+    # The best holds its weights alone (half the disk of a full checkpoint under SGD).
+    assert set(loading.load_checkpoint(run.verified_path("amp/checkpoint-best"))) == {
+        "model", "position"}
 
 
 def test_fp16_with_grad_scaler_trains_on_cpu_without_skipping(tmp_path):
