@@ -54,7 +54,8 @@ def run(config, run: Run, qat_config=None, doing=lambda _: None) -> list[str]:
             say(f"quantize: {name}: compiling and checking ...", quiet=config.quiet)
             doing(MAKING + name)
             check()
-            _made(run, name, config.quiet)
+            if name not in ctx.refused:  # a check may refuse it (a bf16 kernel off budget)
+                _made(run, name, config.quiet)
         doing(f"recording what quantize made in run {run.name}")
         run.record_config("quantize", run.recorded_config("quantize") | {
             "not_kept": ctx.refused})

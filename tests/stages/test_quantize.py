@@ -435,6 +435,29 @@ def test_bf16_variants_are_made_only_where_the_cpu_has_bf16_instructions(fresh_t
     assert "openvino-fp32" in fresh_tiny_run.artifacts()  # the source was made all the same
 
 
+def test_a_variant_refused_by_its_deferred_check_leaves_the_rest_made(fresh_tiny_run,
+                                                                      monkeypatch):
+    """amp-compiled is scored after the exports; off budget it is refused there, and what is
+    checked after it (torch-static) is made and listed all the same."""
+    from stages.runtimes.context import QuantContext
+
+    scored = QuantContext.score_without_search
+
+    def off_budget(self, name, *args, **kwargs):
+        record = scored(self, name, *args, **kwargs)
+        return record | {"chosen": None} if name == "amp-compiled" else record
+
+    monkeypatch.setattr(machine, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(QuantContext, "score_without_search", off_budget)
+    made = quantize.run(QuantizeConfig(methods="amp-compiled,torch-static", calibration_samples=64,
+                                       quiet=True), fresh_tiny_run)
+    assert made == ["amp-compiled", "torch-static"]
+    assert fresh_tiny_run.recorded_config("quantize")["not_kept"]["amp-compiled"].startswith(
+        "not kept: nothing stayed within")
+    assert "torch-static" in fresh_tiny_run.artifacts()
+    assert "amp-compiled" not in fresh_tiny_run.artifacts()
+
+
 @pytest.mark.skipif(not machine.cpu_has_bf16(), reason="bf16 variants need bf16 instructions")
 def test_bf16_variants_are_float_variants_run_in_bf16(tiny_run):
     """On a CPU with bf16 instructions: openvino-fp32's IR under OpenVINO's bf16 hint, and the
