@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from stages import runtimes
 from stages.run.artifacts import Run
-from stages.run.errors import PipelineError, UsageError
+from stages.run.errors import NotMade, PipelineError, UsageError
 from stages.run.progress import say
 from stages.runtimes.context import context, source_of
 
@@ -45,15 +45,27 @@ def run(config, run: Run, qat_config=None, doing=lambda _: None) -> list[str]:
     names = plan(run, config.methods)
     with context(run, config, "quantize", defer_compiles=True) as ctx:
         for name in names:
+            if name in ctx.refused:  # made from a variant that could not be made
+                continue
             say(f"quantize: {name} ...", quiet=config.quiet)
             doing(MAKING + name)
-            runtimes.VARIANTS[name].make(ctx)
+            try:
+                runtimes.VARIANTS[name].make(ctx)
+            except NotMade as exc:
+                _not_made(ctx, names, name, exc)
+                continue
             if name not in ctx.deferred and name not in ctx.refused:
                 _made(run, name, config.quiet)
         for name, check in ctx.deferred.items():
+            if name in ctx.refused:
+                continue
             say(f"quantize: {name}: compiling and checking ...", quiet=config.quiet)
             doing(MAKING + name)
-            check()
+            try:
+                check()
+            except NotMade as exc:
+                _not_made(ctx, names, name, exc)
+                continue
             if name not in ctx.refused:  # a check may refuse it (a bf16 kernel off budget)
                 _made(run, name, config.quiet)
         doing(f"recording what quantize made in run {run.name}")
@@ -120,6 +132,15 @@ def run_as_deployed(config, target: Run, qat_config=None) -> list[str]:
         made += escalate_to_qat(target, made, config.max_accuracy_drop, qat_config,
                                 quiet=config.quiet)
     return made
+
+
+def _not_made(ctx, names: list[str], failed: str, exc: NotMade) -> None:
+    """A converter that cannot take the model costs its variant and what is made from it, as
+    a native crash does (run_as_deployed), not the stage."""
+    ctx.refuse(failed, f"not made: {exc}")
+    for later in names:
+        if later != failed and later not in ctx.refused and failed in _sources(ctx.run, later):
+            ctx.refuse(later, f"not made: it is made from {failed}, which could not be made")
 
 
 def _sources(run: Run, name: str) -> list[str]:

@@ -14,6 +14,11 @@ class UsageError(PipelineError):
     exit_code = 2
 
 
+class NotMade(PipelineError):
+    """A converter that cannot take this model (torch.export, the ONNX exporter, OpenVINO's
+    compiler): quantize goes on without that variant and what is made from it."""
+
+
 class Diverged(PipelineError):
     """QAT's fine-tuning whose loss or weights became NaN or infinite: quantize --auto goes on
     without the QAT that diverged, since the variants it already made still stand."""

@@ -11,7 +11,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from stages.run.errors import PipelineError
+from stages.run.errors import NotMade, PipelineError
 from stages.run.files import atomic_path, raise_if_disk_failure
 
 INPUT_NAME = "input"
@@ -61,7 +61,7 @@ def export_onnx(model, example, path: Path) -> list[str]:
                               dynamic_shapes=({0: torch.export.Dim("batch", min=1)},))
         except Exception as exc:
             raise_if_disk_failure(exc, path)
-            raise PipelineError(f"ONNX export of {type(model).__name__} failed: "
+            raise NotMade(f"ONNX export of {type(model).__name__} failed: "
                                 f"{str(exc).strip().splitlines()[0][:300]}") from exc
         # The exporter writes weights to model.onnx.data; under 2 GB one file is easier to ship.
         proto = onnx.load(str(scratch_file), load_external_data=True)

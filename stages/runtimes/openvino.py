@@ -20,7 +20,7 @@ from pathlib import Path
 from stages.measure.evaluate import compare_logits, scoring_batch_size
 from stages.quantization import sensitivity, tuning
 from stages.quantization.sensitivity import Scheme
-from stages.run.errors import PipelineError
+from stages.run.errors import NotMade, PipelineError
 from stages.run.files import atomic_path
 from stages.runtimes import Loaded, loader, profilers, variant
 
@@ -75,7 +75,7 @@ def compile_model(model, threads: int, profiling: bool = False, precision: str =
     try:
         return core().compile_model(model, "CPU", config)
     except Exception as exc:
-        raise PipelineError(f"OpenVINO cannot compile the model: "
+        raise NotMade(f"OpenVINO cannot compile the model: "
                             f"{str(exc).strip().splitlines()[0][:300]}") from exc
 
 

@@ -9,7 +9,7 @@ import copy
 import warnings
 
 from stages.measure.machine import cpu_has_vnni
-from stages.run.errors import PipelineError
+from stages.run.errors import NotMade, PipelineError
 from stages.run.files import atomic_torch_save
 from stages.run.loading import load_checkpoint
 from stages.runtimes import graph_file, torchao_patterns
@@ -52,7 +52,7 @@ def export_graph(model, spec: dict, train: bool = False):
         return torch.export.export(model, (_example(spec, 4),), strict=True, dynamic_shapes=(
             {0: torch.export.Dim("batch", min=1)},)).module()
     except Exception as exc:
-        raise PipelineError(f"torch.export of {spec['model']} failed, so PT2E int8 cannot be "
+        raise NotMade(f"torch.export of {spec['model']} failed, so PT2E int8 cannot be "
                             f"made: {str(exc).strip().splitlines()[0][:300]}") from exc
 
 

@@ -435,6 +435,32 @@ def test_bf16_variants_are_made_only_where_the_cpu_has_bf16_instructions(fresh_t
     assert "openvino-fp32" in fresh_tiny_run.artifacts()  # the source was made all the same
 
 
+def test_a_converter_that_cannot_take_the_model_costs_its_variants_not_the_stage(
+        fresh_tiny_run, monkeypatch):
+    """torch.export refusing the model costs torch-static; the ONNX exporter refusing it costs
+    onnx-fp32 and ort-static, made from it; each says why, and the rest are made."""
+    from stages.run.errors import NotMade
+    from stages.runtimes import onnx_export, pt2e
+
+    def refuses(*_, **__):
+        raise NotMade("torch.export of smallcnn failed: a test's refusal")
+
+    monkeypatch.setattr(pt2e, "export_graph", refuses)
+    made = quantize.run(QuantizeConfig(methods="torch-static,ort-static", calibration_samples=64,
+                                       quiet=True), fresh_tiny_run)
+    not_kept = fresh_tiny_run.recorded_config("quantize")["not_kept"]
+    assert not_kept == {"torch-static": "not made: torch.export of smallcnn failed: a test's "
+                                        "refusal"}
+    assert {"onnx-fp32", "ort-static"} <= set(fresh_tiny_run.artifacts()) and made
+    monkeypatch.setattr(onnx_export, "export_onnx", refuses)
+    quantize.run(QuantizeConfig(methods="onnx-fp32,ort-static", calibration_samples=64,
+                                quiet=True), fresh_tiny_run)
+    not_kept = fresh_tiny_run.recorded_config("quantize")["not_kept"]
+    assert not_kept["ort-static"] == ("not made: it is made from onnx-fp32, which could not be "
+                                      "made")
+    assert not {"onnx-fp32", "ort-static"} & set(fresh_tiny_run.artifacts())
+
+
 def test_a_variant_refused_by_its_deferred_check_leaves_the_rest_made(fresh_tiny_run,
                                                                       monkeypatch):
     """amp-compiled is scored after the exports; off budget it is refused there, and what is
