@@ -127,7 +127,7 @@ def _start(variant: str, precision: Precision, splits: DataSplits, config, run: 
         model.resumed_from, state = found
         loop.restore(state, best_weights(run, variant))
         say(f"{variant}: resuming from {model.resumed_from} (epoch {loop.pos.epoch}, step "
-            f"{loop.pos.step_in_epoch}/{len(loop.parts.loader)})", quiet=not world.is_main)
+            f"{loop.pos.step_in_epoch}/{loop.parts.steps_per_epoch})", quiet=not world.is_main)
     model.chance = failures.chance(splits.val)
     return model
 

@@ -42,8 +42,14 @@ class EpochSampler:
     def __iter__(self) -> Iterator[int]:
         return iter(self._indices()[self.start:])
 
+    @property
+    def epoch_size(self) -> int:
+        """This rank's samples in a whole epoch, wherever a resume starts it."""
+        per_rank = -(-self.size // self.world_size)
+        return without_a_lone_image(per_rank, self.batch_size) if self.batch_size else per_rank
+
     def __len__(self) -> int:
-        return len(self._indices()) - self.start
+        return self.epoch_size - self.start
 
 
 def make_loader(dataset, batch_size: int, sampler=None, workers: int = 0, pin_memory: bool = False,

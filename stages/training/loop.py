@@ -62,6 +62,13 @@ class Parts:
     notes: list[str]  # what loading --init-weights/--weights adapted
     memory_format: str = "NCHW"  # the batches' layout, the model's: training/layout.py
 
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps in a whole epoch. Not len(loader), which counts what a resumed
+        epoch has left: a plan cut after it ended the cosine early, in every later epoch, by
+        the steps the resume skipped."""
+        return -(-self.sampler.epoch_size // self.loader.batch_size)
+
 
 def build_parts(config, splits: DataSplits, precision: Precision, device) -> Parts:
     import torch
@@ -303,7 +310,7 @@ class Loop:
 def fit(loop: Loop, hooks: Hooks) -> None:
     """Train from where ``loop`` stands until its planned epochs are done or end_epoch set
     totals.stopped, then keep the last epoch's weights or load the best's (choice.keep_best)."""
-    steps_per_epoch = len(loop.parts.loader)
+    steps_per_epoch = loop.parts.steps_per_epoch
     while loop.pos.epoch <= loop.planned_epochs and not loop.totals.stopped:
         epoch = loop.pos.epoch
         if loop.pos.step_in_epoch < steps_per_epoch:  # not resumed at its very end
@@ -323,7 +330,7 @@ def _steps(loop: Loop, hooks: Hooks, epoch: int) -> Seen:
     """The optimizer steps of one epoch (from where a resume left off), with the checkpoints
     --checkpoint-every asks for inside it; returns the epoch's sums read from the device."""
     parts, pos, device = loop.parts, loop.pos, loop.device
-    steps_per_epoch = len(parts.loader)
+    steps_per_epoch = parts.steps_per_epoch
     check_every = 1 if device.type == "cpu" else LOG_EVERY_CUDA
     parts.trained.train()
     hooks.start_epoch(epoch)

@@ -21,7 +21,7 @@ def cut(loop: Loop, epochs: int) -> None:
     """Plan ``epochs`` in all, the schedule's cosine ending with them from the rate reached."""
     loop.totals.planned_epochs = epochs
     scheduler = loop.parts.scheduler
-    scheduler.lr_lambdas[0].replan(scheduler.last_epoch, epochs * len(loop.parts.loader))
+    scheduler.lr_lambdas[0].replan(scheduler.last_epoch, epochs * loop.parts.steps_per_epoch)
 
 
 def planned_end(loop: Loop, epoch: int, budget: float | None) -> str:

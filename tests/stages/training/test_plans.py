@@ -16,7 +16,7 @@ def _loop(epochs: int = 200) -> Loop:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     schedule = CosineSchedule(epochs * STEPS, warmup_steps=2 * STEPS)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    parts = SimpleNamespace(optimizer=optimizer, scheduler=scheduler, loader=range(STEPS))
+    parts = SimpleNamespace(optimizer=optimizer, scheduler=scheduler, steps_per_epoch=STEPS)
     return Loop("amp", parts, precision=None, device=None, epochs=epochs, batch_size=64,
                 quiet=True)
 
@@ -92,3 +92,21 @@ def test_a_plateau_ends_training_where_it_said_whatever_the_pace():
     rates, plans, stopped = _train(loop, [30.0] + [5.0] * 20, budget=200.0, patience=2)
     assert plans == [6, 11, 5, 5, 5] and stopped.startswith("plateau: ")
     assert rates[-1] < 0.05
+
+
+def test_a_plan_cut_after_a_resumed_epoch_counts_whole_epochs():
+    """A run resumed 3 batches into an epoch has 7 of its 10 batches left in the loader; the
+    plan cut after that epoch still ends the cosine after 5 whole epochs (50 steps), not 35."""
+    from stages.data.loaders import EpochSampler, make_loader
+    from stages.training.loop import Parts
+    from stages.training.plans import cut
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, CosineSchedule(8 * STEPS, 0))
+    sampler = EpochSampler(STEPS * 64, seed=0, batch_size=64)
+    loader = make_loader(torch.utils.data.TensorDataset(torch.zeros(STEPS * 64)), 64, sampler)
+    parts = Parts(None, None, optimizer, scheduler, None, None, sampler, loader, [])
+    sampler.set_epoch(3, start=3 * 64)
+    assert len(loader) == STEPS - 3 and parts.steps_per_epoch == STEPS
+    cut(Loop("amp", parts, None, None, epochs=8, batch_size=64, quiet=True), 5)
+    assert scheduler.lr_lambdas[0].total_steps == 5 * STEPS
