@@ -125,7 +125,7 @@ def _start(variant: str, precision: Precision, splits: DataSplits, config, run: 
     found = newest_good_checkpoint(run, variant) if resume else None
     if found:
         model.resumed_from, state = found
-        loop.restore(state, best_weights(run, variant))
+        loop.restore(state, best_weights(run, variant, state["totals"]["best_epoch"]))
         say(f"{variant}: resuming from {model.resumed_from} (epoch {loop.pos.epoch}, step "
             f"{loop.pos.step_in_epoch}/{loop.parts.steps_per_epoch})", quiet=not world.is_main)
     model.chance = failures.chance(splits.val)

@@ -58,12 +58,16 @@ def newest_good_checkpoint(run: Run, variant: str) -> tuple[str, dict] | None:
     return None
 
 
-def best_weights(run: Run, variant: str) -> dict | None:
-    """The weights of the best checkpoint so far (chosen on validation), for a resumed run."""
+def best_weights(run: Run, variant: str, best_epoch: int) -> dict | None:
+    """The weights of the best checkpoint (chosen on validation), for a run resumed from a
+    checkpoint whose best epoch is ``best_epoch``. None where the file holds another epoch: a
+    stop between the best's write and its checkpoint's leaves the best one epoch ahead, and
+    that epoch is trained again."""
     name = f"{variant}/checkpoint-best"
     if name not in run.artifacts():
         return None
-    return load_checkpoint(run.verified_path(name))["model"]
+    best = load_checkpoint(run.verified_path(name))
+    return best["model"] if best["position"]["epoch"] == best_epoch else None
 
 
 class Checkpointer:
@@ -77,16 +81,18 @@ class Checkpointer:
         step = state["position"]["global_step"]
         name = f"{self.variant}/checkpoint-step{step:07d}"
         path = self.folder / f"checkpoint-step{step:07d}.pt"
-        atomic_torch_save(state, path)
-        self.run.register(name, path, kind="checkpoint", stage="train", parent=self.variant,
-                          config=self.config_dict, step=step, epoch=state["position"]["epoch"])
-        self.run.register_alias(f"{self.variant}/checkpoint-last", of=name)
+        # The best first: a checkpoint that says its epoch was the best then always has the
+        # best's file beside it, whenever the process is stopped.
         if best:  # the weights alone: a resume takes the rest from the newest checkpoint
             atomic_torch_save({"model": state["model"], "position": state["position"]},
                               self.folder / "checkpoint-best.pt")
             self.run.register(f"{self.variant}/checkpoint-best", self.folder / "checkpoint-best.pt",
                               kind="checkpoint-best", stage="train", parent=self.variant,
                               step=step, epoch=state["position"]["epoch"])
+        atomic_torch_save(state, path)
+        self.run.register(name, path, kind="checkpoint", stage="train", parent=self.variant,
+                          config=self.config_dict, step=step, epoch=state["position"]["epoch"])
+        self.run.register_alias(f"{self.variant}/checkpoint-last", of=name)
         for _, old in checkpoints_of(self.run, self.variant)[self.keep:]:
             self.run.unregister(old)
 
