@@ -131,6 +131,7 @@ def score(run: Run, name: str, variant: str, made, splits, selection, reference:
     hits = {"validation": _hits(val_logits, val_labels), "test": _hits(test_logits, test_labels)}
     row = {"name": name, "variant": variant, "device": made.device,
            "format": entry["format"], "path": entry["path"], "sha256": entry["sha256"],
+           "companions_sha256": [f["sha256"] for f in entry.get("files", [])],
            "serving": made.serving,
            "int8": runtimes.VARIANTS[variant].int8, "size_bytes": run.shipped_bytes(variant),
            "precision": "int8" if runtimes.VARIANTS[variant].int8 else made.precision,

@@ -83,6 +83,28 @@ def test_recommended_is_refused_once_its_variant_is_made_again_after_the_report(
         runtimes.resolve(run, "recommended")
 
 
+def test_recommended_openvino_is_refused_once_its_weights_file_changes(tiny_run, tmp_path):
+    """OpenVINO's .bin holds the weights; a variant made again with other weights may keep a
+    byte-identical .xml, so the .bin's digest is compared too."""
+    from stages import runtimes
+    from tests.conftest import _copy
+
+    run = _copy(tiny_run["run"], tmp_path / "artifacts")
+    report_path = run.verified_path("report/report.json")
+    report = json.loads(report_path.read_text())
+    report["verdict"]["recommended"] = "openvino-int8"
+    report_path.write_text(json.dumps(report))
+    listed = run.entry("report/report.json")
+    run.register("report/report.json", report_path, kind=listed["kind"], stage=listed["stage"])
+    assert runtimes.resolve(run, "recommended") == "openvino-int8"
+    manifest = run.manifest()
+    manifest["artifacts"]["openvino-int8"]["files"][0]["sha256"] = "0" * 64
+    run._write_manifest(manifest)
+    with pytest.raises(UsageError, match="its report recommends openvino-int8, which was made "
+                                         "again since the report measured it"):
+        runtimes.resolve(run, "recommended")
+
+
 
 def test_a_run_folder_copied_anywhere_loads(tiny_run, tmp_path):
     import shutil
