@@ -106,7 +106,7 @@ def measure_variants(run: Run, config, threads: int, scratch: Path, skip=(),
     timings, conditions = time_variants(loaded, splits, config, threads, doing=doing)
     record_latencies(rows, timings, loaded, splits, config)
     record_kernels(rows, loaded, splits, config, doing)
-    speedups(rows, reference)
+    speedups(rows, reference, config.max_accuracy_drop)
     return rows, {"reference": reference, "parity": parity(run, logits),
                   "unmeasured": unmeasured, "timing_conditions": conditions,
                   "profiles": profiled(loaded, rows, reference, config, splits, doing)}

@@ -99,7 +99,7 @@ def test_a_slow_int8_warning_names_the_operators_measured_to_take_the_time():
     rows = [_row("fp32", [10.0] * 6, 0.0, int8=False),
             _row("onnx-fp32", [5.0] * 6, 0.0, int8=False),
             _row("ort-static", [8.0] * 6, 0.0)]
-    recommendation.speedups(rows, "fp32")
+    recommendation.speedups(rows, "fp32", 1.0)
     profiles = {"batch_size": 32, "variants": {"ort-static": {"calls": 5, "operators": {
         "DequantizeLinear": 4.0, "QLinearConv": 3.0, "Conv": 1.0}}}, "tables": []}
     slow = diagnosis.warnings_for(rows, "fp32", 1.0, {}, profiles)[0]
@@ -134,7 +134,7 @@ def test_a_slow_int8_warning_at_a_batch_size_not_profiled_splits_call_and_image_
     for row, p50 in zip(rows, ({"1": 3.0, "32": 10.0}, {"1": 0.10, "32": 0.74},
                                {"1": 1.06, "32": 1.54})):
         row["latency_ms"] = at(p50)
-    recommendation.speedups(rows, "fp32")
+    recommendation.speedups(rows, "fp32", 1.0)
     profiles = {"batch_size": 32, "variants": {"torch-static": {"calls": 5, "operators": {
         "qconv_pointwise_tensor": 1.1}}}, "tables": []}
     at_one, at_32 = diagnosis.warnings_for(rows, "fp32", 1.0, {}, profiles)
@@ -145,7 +145,7 @@ def test_a_slow_int8_warning_at_a_batch_size_not_profiled_splits_call_and_image_
                            " at batch 1 the time is lost per call.")
     assert "Measured at batch 32" in at_32 and "By its p50" not in at_32  # the profile says
     rows[2]["latency_ms"] = at({"1": 0.12, "32": 3.0})  # as cheap a call, dearer images
-    recommendation.speedups(rows, "fp32")
+    recommendation.speedups(rows, "fp32", 1.0)
     assert diagnosis.warnings_for(rows, "fp32", 1.0, {})[0].endswith(
         "at batch 1 the time is lost per image.")
     # Slower at batch 8 alone: the line through batch 1 and 32 cannot say where.
@@ -153,7 +153,7 @@ def test_a_slow_int8_warning_at_a_batch_size_not_profiled_splits_call_and_image_
                                {"1": 0.10, "8": 0.30, "32": 0.74},
                                {"1": 0.09, "8": 0.60, "32": 0.70})):
         row["latency_ms"] = at(p50)
-    recommendation.speedups(rows, "fp32")
+    recommendation.speedups(rows, "fp32", 1.0)
     [at_8] = diagnosis.warnings_for(rows, "fp32", 1.0, {})
     assert "at batch 8" in at_8 and "By its p50" not in at_8
 

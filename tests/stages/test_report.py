@@ -95,7 +95,7 @@ def test_a_bf16_float_variant_is_the_fastest_float_and_the_fastest_fp32_is_named
             _row("onnx-fp32", [5.0] * 6, 0.0, int8=False) | {"precision": "fp32"},
             _row("openvino-bf16", [4.0] * 6, 0.0, int8=False) | {"precision": "bf16"},
             _row("openvino-int8", [2.0] * 6, 0.0) | {"precision": "int8"}]
-    recommendation.speedups(rows, "fp32")
+    recommendation.speedups(rows, "fp32", 1.0)
     v = recommendation.verdict(rows, "fp32", budget_points=1.0)
     choice = v["per_batch_size"]["32"]
     assert (v["recommended"], choice["best_float"]) == ("openvino-int8", "openvino-bf16")
@@ -105,9 +105,23 @@ def test_a_bf16_float_variant_is_the_fastest_float_and_the_fastest_fp32_is_named
     assert "2.50x (2.50–2.50) faster than the fastest fp32 variant, `onnx-fp32`" in (
         _fp32_clause(choice))
     fp32_only = [r for r in rows if r["name"] != "openvino-bf16"]  # no bf16: one figure
-    recommendation.speedups(fp32_only, "fp32")
+    recommendation.speedups(fp32_only, "fp32", 1.0)
     assert _fp32_clause(recommendation.verdict(fp32_only, "fp32", 1.0)["per_batch_size"][
         "32"]) == "and "
+
+
+def test_the_fastest_float_is_one_within_the_accuracy_budget():
+    """openvino-bf16 is the fastest float but loses 3 points on held-out images: no user would
+    serve it, so int8 is credited against onnx-fp32, the fastest float within the budget."""
+    rows = [_row("fp32", [10.0] * 6, 0.0, int8=False) | {"precision": "fp32"},
+            _row("onnx-fp32", [5.0] * 6, 0.0, int8=False) | {"precision": "fp32"},
+            _row("openvino-bf16", [2.0] * 6, 3.0, int8=False) | {"precision": "bf16"},
+            _row("openvino-int8", [2.5] * 6, 0.0) | {"precision": "int8"}]
+    recommendation.speedups(rows, "fp32", budget_points=1.0)
+    v = recommendation.verdict(rows, "fp32", budget_points=1.0)
+    choice = v["per_batch_size"]["32"]
+    assert (v["recommended"], choice["best_float"]) == ("openvino-int8", "onnx-fp32")
+    assert v["speedup_vs_best_float"] == pytest.approx(2.0)
 
 
 def test_where_validation_and_test_disagree_validation_decides():
@@ -118,7 +132,7 @@ def test_where_validation_and_test_disagree_validation_decides():
             _row("onnx-fp32", [5.0] * 6, 0.0, int8=False),
             _row("torch-static", [1.0] * 6, 3.0, test_drop=0.0),
             _row("ort-static", [2.0] * 6, 0.2, test_drop=5.0)]
-    recommendation.speedups(rows, "fp32")
+    recommendation.speedups(rows, "fp32", 1.0)
     v = recommendation.verdict(rows, "fp32", budget_points=1.0)
     assert v["recommended"] == "ort-static"
     assert v["validation_change_points"] == pytest.approx(-0.2)
@@ -249,7 +263,7 @@ def test_verdict_ranks_by_validation_budget_and_says_within_noise():
             _row("torch-static", [2.0] * 6, 3.0, test_drop=0.0),   # fastest, misses the budget
             _row("ort-static", [2.5, 2.6, 2.4, 2.5, 2.6, 2.4], 0.5),
             _row("openvino-int8", [2.6, 2.5, 2.55, 2.65, 2.45, 2.55], 0.2)]  # p50 2.55
-    recommendation.speedups(rows, "fp32")
+    recommendation.speedups(rows, "fp32", 1.0)
     v = recommendation.verdict(rows, "fp32", budget_points=1.0)
     assert v["recommended"] == "ort-static"  # the lower p50 within the budget
     choice = v["per_batch_size"]["32"]
@@ -269,7 +283,7 @@ def test_a_drop_measured_within_the_budget_that_the_images_cannot_vouch_for_is_n
     rows = [_row("fp32", [10.0] * 6, 0.0, int8=False),
             _row("torch-static", [2.0] * 6, 0.4, worst_drop=1.6),
             _row("ort-static", [3.0] * 6, 0.5, worst_drop=0.9)]
-    recommendation.speedups(rows, "fp32")
+    recommendation.speedups(rows, "fp32", 1.0)
     v = recommendation.verdict(rows, "fp32", budget_points=1.0)
     assert v["recommended"] == "ort-static"
     assert v["validation_change_points"] == pytest.approx(-0.5)
@@ -283,7 +297,7 @@ def test_the_recommendation_is_for_the_largest_batch_whatever_order_they_were_li
     for row in rows:  # batch 1 listed after batch 32, where ort-static is the slower
         row["latency_ms"]["1"] = timing.Timing([[5.0 if row["int8"] else 1.0] * 4] * 6).summary(
             ) | {"rounds_ms": [[5.0 if row["int8"] else 1.0] * 4] * 6}
-    recommendation.speedups(rows, "fp32")
+    recommendation.speedups(rows, "fp32", 1.0)
     v = recommendation.verdict(rows, "fp32", budget_points=1.0)
     assert v["batch_size"] == 32 and v["recommended"] == "ort-static"
     assert v["per_batch_size"]["1"]["recommended"] == "fp32"
@@ -297,7 +311,7 @@ def test_warnings_explain_slow_int8_from_what_it_contains():
             _row("torch-static", [2.0] * 6, 3.0)]
     rows[2]["op_counts"] = {"Conv": {"int8": 3, "float": 0, "ops": {"ConvInteger": 3}}}
     rows[3]["op_counts"] = {"Linear": {"int8": 9, "float": 0, "ops": {"MatMulInteger": 9}}}
-    recommendation.speedups(rows, "fp32")
+    recommendation.speedups(rows, "fp32", 1.0)
     found = diagnosis.warnings_for(rows, "fp32", 1.0, training={})
     assert len(found) == 3
     assert "ort-dynamic is slower than the fastest float variant onnx-fp32" in found[0]
@@ -327,7 +341,7 @@ def test_a_slow_fully_int8_variant_is_explained_by_its_profile_not_a_guess():
     warning says that instead of guessing at quantize steps or overhead."""
     rows = [_row("onnx-fp32", [5.0] * 6, 0.0, int8=False), _row("torch-static", [9.0] * 6, 0.0)]
     rows[1]["op_counts"] = {"Conv": {"int8": 52, "float": 0}}
-    recommendation.speedups(rows, "onnx-fp32")
+    recommendation.speedups(rows, "onnx-fp32", 1.0)
     kinds = [{"kind": "convolution", "float_ms": 0.91, "ms": 1.36, "share": 0.82},
              {"kind": "compiled graph's own code", "float_ms": None, "ms": 0.17, "share": 0.1},
              {"kind": "pooling", "float_ms": 0.03, "ms": 0.0, "share": 0.0}]
@@ -536,7 +550,7 @@ def test_gpu_rows_are_set_apart_from_cpu_rows_in_the_verdict_and_the_markdown(ti
     for row in cpu_rows:
         row.pop("speedup_vs_reference"), row.pop("speedup_vs_best_float")
     rows = cpu_rows + gpu_rows
-    recommendation.speedups(rows, "fp32")
+    recommendation.speedups(rows, "fp32", 1.0)
     assert gpu_rows[1]["speedup_vs_reference"]["32"]["ratio"] == pytest.approx(1.5)  # vs fp32@cuda
     assert gpu_rows[0]["speedup_vs_best_float"]["32"]["best_float"] == "amp@cuda"
     assert all(r["speedup_vs_best_float"]["32"]["best_float"] != "amp@cuda" for r in cpu_rows)
@@ -638,7 +652,7 @@ def test_a_report_timed_beside_a_busy_core_says_so(monkeypatch):
     for row in rows:
         rounds = [[s * 1000 for s in calls] for calls in timings["32"][row["name"]].rounds]
         row["latency_ms"]["32"] = timings["32"][row["name"]].summary() | {"rounds_ms": rounds}
-    recommendation.speedups(rows, "fp32")
+    recommendation.speedups(rows, "fp32", 1.0)
     v = contention.mark_verdict(recommendation.verdict(rows, "fp32", 1.0), conditions, "cpu")
     assert v["timing_clean"] is False and v["per_batch_size"]["32"]["timing_clean"] is False
     [warning] = contention.warnings(conditions)
