@@ -67,9 +67,3 @@ def batches(dataset, batch_size: int = 256):
     """(images, labels) of a data set in order, without augmentation randomness of our own."""
     yield from make_loader(dataset, batch_size)
 
-
-def first_images(dataset, count: int):
-    import torch
-
-    count = min(count, len(dataset))
-    return torch.stack([dataset[i][0] for i in range(count)]) if count else torch.empty(0)

@@ -37,6 +37,15 @@ def _seeded_order(size: int, seed: int) -> list[int]:
     return torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def spread_images(dataset, count: int, seed: int):
+    """``count`` images drawn across ``dataset`` by ``seed``, in index order: an image folder's
+    split lists its classes one after another, so its first 128 images are all one class."""
+    import torch
+
+    chosen = sorted(_seeded_order(len(dataset), seed)[:count])
+    return torch.stack([dataset[i][0] for i in chosen]) if chosen else torch.empty(0)
+
+
 def check_calibration(batches: list, shape: tuple[int, int, int]) -> None:
     """Refuse calibration data that would quantize a model wrongly, before any work starts."""
     import torch

@@ -14,11 +14,11 @@ from typing import Iterator
 
 from stages import runtimes
 from stages.data.datasets import DataSplits, splits_of_run
-from stages.data.loaders import first_images
 from stages.data.subsets import (
     calibration_batches,
     check_calibration,
     default_calibration_samples,
+    spread_images,
     tuning_images,
 )
 from stages.measure.evaluate import accuracy
@@ -61,6 +61,7 @@ class QuantContext:
     _float: object = None
     _equalized: tuple | None = None
     _val: tuple | None = None
+    _check: object = None  # check_images(), decoded once
     _references: dict = field(default_factory=dict)  # source variant -> its held-out logits
     _loaded: dict = field(default_factory=dict)
     _fully_connected: dict | None = None  # fully_connected_share of the float model
@@ -147,8 +148,11 @@ class QuantContext:
         return self._references[of]
 
     def check_images(self):
-        """A fixed slice of training images to compare a model before and after saving."""
-        return first_images(self.splits.calibration, 128)
+        """A fixed draw of training images, across the classes, to compare a model before and
+        after saving and against the runtime it is served by."""
+        if self._check is None:
+            self._check = spread_images(self.splits.calibration, 128, self.config.seed)
+        return self._check
 
     def logits_of(self, name: str, images):
         """Logits of an already written variant, loaded once through its runtime."""

@@ -178,3 +178,18 @@ def test_training_runs_on_torchvision_data(cifar_dir, tmp_path):
     assert result.test_accuracy == dataset_accuracy(saved, load_dataset(
         "cifar10", image_size=32, seed=0, data_dir=cifar_dir).test)
     assert round(result.test_accuracy * 20) == result.test_accuracy * 20
+
+
+def test_quantizes_check_images_cover_the_classes_of_a_split_in_class_order():
+    """An image folder's training split lists its classes one after another (900 photos of the
+    first class come first in photos10): the images quantize compares a variant on before and
+    after saving, and against its runtime, are drawn across the split, not its first 128."""
+    from stages.data.subsets import spread_images
+
+    in_class_order = torch.utils.data.TensorDataset(
+        torch.arange(10).repeat_interleave(90).float().view(-1, 1, 1, 1),
+        torch.arange(10).repeat_interleave(90))
+    drawn = spread_images(in_class_order, 128, seed=0)
+    assert drawn.shape == (128, 1, 1, 1)
+    assert set(drawn.flatten().long().tolist()) == set(range(10))
+    assert torch.equal(drawn, spread_images(in_class_order, 128, seed=0))  # a fixed draw
