@@ -142,12 +142,14 @@ def run(config, run: Run) -> Path:
         shutil.copyfile(Path(__file__).with_name(TEMPLATES[runtime]), folder / "predict.py")
         files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
                  for p in sorted(folder.iterdir())}
-        manifest = {"variant": name, "run": run.name, "serving": serving,
-                    "requires": REQUIRES[runtime] + (["torchao"] if serving.get(
-                        "int8_passes") else []), "files": files,
+        requires = REQUIRES[runtime] + (["torchao"] if serving.get("int8_passes") else [])
+        manifest = {"variant": name, "run": run.name, "serving": serving, "requires": requires,
+                    "files": files,
                     "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                    "versions": {k: v for k, v in versions().items() if k in ("pipeline", runtime,
-                                                                               "python")}}
+                    # What made the files: a model.pt2 loads only in a torch that reads its
+                    # format, so the torch (and torchao) it was written with are named too.
+                    "versions": {k: v for k, v in versions().items()
+                                 if k in ("pipeline", "python", *requires)}}
         (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         if out_dir.exists():
             out_dir.rmdir()  # empty: checked above
