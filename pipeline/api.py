@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: numpy is imported where it is used
     import numpy
@@ -96,11 +96,3 @@ def load(run=None, variant: str = "recommended", *, artifacts_dir=None,
     loaded = runtimes.load(opened, name, inference_threads(threads))
     return Model(name, opened.name, loaded.serving, list(spec["classes"]), spec, loaded)
 
-
-def predict_files(model: Model, paths: Sequence[Path], batch_size: int = 64,
-                  top_k: int = 1) -> Iterator[tuple[Path, list[tuple[str, float]] | str]]:
-    """(path, [(class, probability), ...]) for each image, decoded and predicted in batches;
-    (path, why) for a file that is not a readable image, which is skipped."""
-    from stages.predict import predict_files as predict_with
-
-    yield from predict_with(list(paths), model.spec, model.predict, batch_size, top_k)
