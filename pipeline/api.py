@@ -59,13 +59,22 @@ class Model:
             if not images:
                 return np.zeros((0, len(self.classes)), np.float32)
             images = np.stack([self.checked(i) if isinstance(i, (np.ndarray, torch.Tensor))
-                               else self.preprocess(i) for i in images])
+                               else self._read(i) for i in images])
         batch = torch.from_numpy(self.checked(images))
         if batch.dim() == 3:
             batch = batch[None]
         if len(batch) == 0:
             return np.zeros((0, len(self.classes)), np.float32)
         return self._loaded.predict(batch.contiguous()).numpy()
+
+    def _read(self, image) -> "numpy.ndarray":
+        """preprocess(), where a file that cannot be read is named with why, in one line."""
+        try:
+            return self.preprocess(image)
+        except Exception as exc:  # Pillow raises many kinds (OSError for a truncated file)
+            why = " ".join(str(exc).split()) or type(exc).__name__
+            raise ValueError(f"{image}: {why}; remove it from the list, or pass the others"
+                             ) from None
 
     def checked(self, images) -> "numpy.ndarray":
         """``images`` as float32 numpy once they are known to be what this model takes."""

@@ -135,6 +135,17 @@ def _digit(path: Path, fmt: str | None = None) -> Path:
     return path
 
 
+def test_a_file_predict_cannot_read_is_named_in_one_line(tiny_run, tmp_path):
+    """model.predict(paths) over many files, one of them truncated: Pillow's OSError came out
+    as a traceback that named no file; now one line names it and says what to do."""
+    good = _digit(tmp_path / "good.png", fmt="JPEG")
+    truncated = tmp_path / "truncated.jpg"
+    truncated.write_bytes(good.read_bytes()[:200])
+    why = _one_line_refusal(_model(tiny_run["run"], "amp"), [good, truncated])
+    assert why.startswith(f"{truncated}: ") and why.endswith(
+        "; remove it from the list, or pass the others")
+
+
 def test_a_fifo_is_skipped_unopened(tiny_run, tmp_path):
     """A FIFO named as a path once hung predict (opened, it waits for a writer; and after the
     first SIGTERM the process ignored SIGTERM, which the next test holds). Now it is named and
