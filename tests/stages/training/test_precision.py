@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from stages.measure import machine
+from stages.run.isolated import CAPPED_FOR_TRAINING
 from stages.training import precision
 from stages.training.precision import Precision, resolve_precision
 
@@ -40,10 +41,15 @@ def test_auto_picks_bf16_only_on_cpus_with_bf16_instructions(monkeypatch, flags,
 def test_onednn_is_capped_below_amx_only_for_bf16_training_on_amx(monkeypatch, flags, asked,
                                                                   device, capped):
     _cpu_with(monkeypatch, *flags)
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    # Set, then removed: monkeypatch restores only what it changed, and a cap the code sets on
+    # a machine with none would otherwise reach every later test of this worker.
+    for name in ("ONEDNN_MAX_CPU_ISA", CAPPED_FOR_TRAINING):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     result = precision.cap_isa_for_bf16_training(asked, device)
     assert (result == "AVX512_CORE_BF16") == capped
     assert (os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX512_CORE_BF16") == capped
+    assert (os.environ.get(CAPPED_FOR_TRAINING) == "AVX512_CORE_BF16") == capped
 
 
 def test_a_users_own_cap_is_left_alone(monkeypatch):
