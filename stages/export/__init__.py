@@ -95,6 +95,19 @@ def check_out_dir(out_dir: Path) -> None:
                          "OUT_DIR (export writes a folder of its own)")
 
 
+def _manifest(folder: Path, name: str, run_name: str, serving: dict) -> dict:
+    """The exported folder's manifest.json: what it serves, what it needs, every file's sha256,
+    and the versions that made it (a model.pt2 loads only in a torch that reads its format)."""
+    files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+             for p in sorted(folder.iterdir())}
+    requires = REQUIRES[serving["runtime"]] + (["torchao"] if serving.get("int8_passes") else [])
+    return {"variant": name, "run": run_name, "serving": serving, "requires": requires,
+            "files": files,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "versions": {k: v for k, v in versions().items()
+                         if k in ("pipeline", "python", *requires)}}
+
+
 def run(config, run: Run) -> Path:
     """Write the folder for config.variant (a name or "recommended") at config.out_dir."""
     out_dir = Path(config.out_dir).expanduser()
@@ -140,16 +153,7 @@ def run(config, run: Run) -> Path:
         shutil.copyfile(preprocess.__file__, folder / "preprocess.py")
         shutil.copyfile(predict.__file__, folder / "predict_loop.py")
         shutil.copyfile(Path(__file__).with_name(TEMPLATES[runtime]), folder / "predict.py")
-        files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-                 for p in sorted(folder.iterdir())}
-        requires = REQUIRES[runtime] + (["torchao"] if serving.get("int8_passes") else [])
-        manifest = {"variant": name, "run": run.name, "serving": serving, "requires": requires,
-                    "files": files,
-                    "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                    # What made the files: a model.pt2 loads only in a torch that reads its
-                    # format, so the torch (and torchao) it was written with are named too.
-                    "versions": {k: v for k, v in versions().items()
-                                 if k in ("pipeline", "python", *requires)}}
+        manifest = _manifest(folder, name, run.name, serving)
         (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         if out_dir.exists():
             out_dir.rmdir()  # empty: checked above

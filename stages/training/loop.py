@@ -63,10 +63,7 @@ class Parts:
     memory_format: str = "NCHW"  # the batches' layout, the model's: training/layout.py
 
     @property
-    def steps_per_epoch(self) -> int:
-        """Optimizer steps in a whole epoch. Not len(loader), which counts what a resumed
-        epoch has left: a plan cut after it ended the cosine early, in every later epoch, by
-        the steps the resume skipped."""
+    def steps_per_epoch(self) -> int:  # whole: len(loader) is what a resumed epoch has left
         return -(-self.sampler.epoch_size // self.loader.batch_size)
 
 

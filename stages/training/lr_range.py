@@ -7,7 +7,9 @@ rises exponentially from START_LR to END_LR, under the precision and batch size 
 use. The loss is smoothed (an exponential moving average, bias-corrected); the test stops once
 it passes DIVERGED times its lowest value. The peak learning rate chosen is a fifth
 (BELOW_CLIMB) of the learning rate where, past its minimum, the smoothed loss first climbs CLIMB
-times its lowest value, and at most CEILING_PER_256 per 256 images a step.
+times its lowest value, and at most CEILING_PER_256 per 256 images a step. Where the test would
+take more than twice training's steps, or under --time more than a tenth of the budget (its
+first steps' pace tells), Goyal et al.'s linear-scaling rule gives the peak instead.
 
 A network that learns slowly from chance (efficientnet_b0, mobilenet_v2 and mnasnet0_5 on
 photos10 in fp32, their residual blocks started as the identity) may not move its loss in
@@ -32,17 +34,21 @@ four families tried.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
-import statistics
+import time
 
-from stages.data.loaders import make_loader
 from stages.run.errors import PipelineError
 from stages.run.files import atomic_write_text
 from stages.run.progress import say
 from stages.training import distributed
 from stages.training.loop import DeviceSums, build_parts, endless_batches, train_step
+from stages.training.lr_probe import (  # where no range test can be read
+    RULE_PER_256,
+    NothingLearned,
+    pixels_predict_labels,
+    probed_rate,
+)
 
 # 50 steps a decade: at 25 the loss of mobilenet_v2 on notMNIST had not fallen by the time it
 # blew up. Starting at 1e-3 rather than 1e-4 moved the minima found 9 to 25% lower and
@@ -73,30 +79,22 @@ CEILING_PER_256 = 0.2
 # epoch at 224x224: resnet18's test took 11 minutes on the Xeon here, its epoch 1.5), the peak
 # is Goyal et al.'s linear-scaling rule itself. Twice: the default chain on a CPU without bf16
 # trains one model for 100 steps, and keeps its test.
-RULE_PER_256 = 0.1
 RANGE_TEST = "range test"
 LINEAR_SCALING = "linear-scaling rule (0.1 per 256 images a step; a range test would take more " \
                  "than twice the training's steps)"
+# Under --time the test may take a tenth of the budget, judged from its first steps' pace.
+TIME_SHARE = 0.1
+PACE_STEPS = 6  # the first step (warm-up) left out, the pace of the next five
 SKIPPED_START = 5  # the first steps' smoothed loss stands on too few batches to judge a slope
-PROBE_STEPS = LONG_STEPS  # as long as the longer test: a slow starter gets its time
-# mobilenet_v2 on photos10 in fp32: 2.3026 to 2.2338 in 450 steps, within noise (2.1152 in bf16)
-PROBE_ROUNDS = 3
-# Where no range test can be read, the rule's rate is not always one a network trains at:
-# mobilenet_v2 on photos10 in fp32, after 450 steps from the same weights, scored a validation
-# loss of 2.2338 at 0.025 (its training at that peak rose above chance and stopped on a plateau
-# at 29%), 1.8061 at 0.00625 and 1.8495 at 0.00156.
-RATE_STEP = 4
-CANDIDATES = 3
-PROBED = "rates probed ("
-PROBE_IMAGES = 2000  # validation images the probe scores before and after its steps
-PIXEL_IMAGES = 4000  # training images whose class means the pixel check compares against
-NOISE_SE = 2.0  # the validation loss must fall by this many standard errors of its change
 LEAST_FALL = 0.05  # the loss must fall by this share of its start for a choice to exist
 
 
-class NothingLearned(PipelineError):
-    """Neither range test's loss fell, and training at the linear-scaling rule did not lower
-    the validation loss: the data cannot be learned as labelled."""
+class TooLong(PipelineError):
+    """Under --time, a range test whose pace says it would take more than its share."""
+
+    def __init__(self, seconds: float, steps: int, share: float):
+        super().__init__(f"a range test of {steps} steps would take about {seconds:.0f} s, "
+                         f"over a tenth of --time ({share:.0f} s)")
 
 
 class NeverFell(PipelineError):
@@ -131,15 +129,23 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> tuple[float,
         return lr, LINEAR_SCALING
     say(f"--lr auto: a learning-rate range test of up to {MAX_STEPS} steps ({START_LR:g} to "
         f"{END_LR:g}) ...", quiet=config.quiet)
+    share = TIME_SHARE * config.time if config.time else None
     try:
-        curve = range_test(config, splits, precision, device)
+        curve = range_test(config, splits, precision, device, seconds=share)
+    except TooLong as exc:
+        lr = RULE_PER_256 * batch / 256
+        say(f"--lr auto: {lr:.3g}, by the linear-scaling rule: {exc}", quiet=config.quiet)
+        return lr, f"linear-scaling rule (0.1 per 256 images a step; {exc})"
     except NeverFell as exc:
         if planned is not None and LONG_STEPS > 2 * planned:  # the second test would outrun it
-            return _rule_after_one_test(config, splits, batch, planned, exc)
+            return _rule_after_one_test(config, splits, batch, exc, "a second test would take "
+                                        f"more than twice the training's {planned} steps")
         say(f"--lr auto: the first test chose no learning rate ({exc.detail}); trying again "
             f"over {LONG_STEPS} steps, each learning rate held longer ...", quiet=config.quiet)
         try:
-            curve = range_test(config, splits, precision, device, LONG_STEPS)
+            curve = range_test(config, splits, precision, device, LONG_STEPS, seconds=share)
+        except TooLong as slow:
+            return _rule_after_one_test(config, splits, batch, exc, str(slow))
         except NeverFell as again:
             return probed_rate(config, splits, precision, device, again)
     world = distributed.current()
@@ -158,10 +164,11 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> tuple[float,
     return curve["chosen"], RANGE_TEST
 
 
-def _rule_after_one_test(config, splits, batch: int, planned: int, never: NeverFell):
+def _rule_after_one_test(config, splits, batch: int, never: NeverFell, too_long: str):
     """(the linear-scaling rule's rate, why) where the first test could not be read and a
-    second would take more than twice the training's steps, once the pixels show the labels
-    belong to the images (the probes that check it elsewhere would outrun training too)."""
+    second would take too long (``too_long``: more than twice the training's steps, or more
+    than its share of --time), once the pixels show the labels belong to the images (the
+    probes that check it elsewhere would outrun training too)."""
     pixels, learnable = distributed.broadcast(pixels_predict_labels(splits, config.seed))
     if not learnable:
         raise NothingLearned(f"--lr auto: nothing was learned: the training loss never fell in "
@@ -170,159 +177,9 @@ def _rule_after_one_test(config, splits, batch: int, planned: int, never: NeverF
                              "give --lr yourself")
     lr = RULE_PER_256 * batch / 256
     say(f"--lr auto: the first test chose no learning rate ({never.detail}); {lr:.3g}, by the "
-        f"linear-scaling rule: a second test takes {LONG_STEPS} steps, training {planned}",
-        quiet=config.quiet)
+        f"linear-scaling rule: {too_long}", quiet=config.quiet)
     return lr, (f"linear-scaling rule (0.1 per 256 images a step; the range test's loss fell "
-                f"too little to read ({never.detail}), and a second test would take more than "
-                f"twice the training's {planned} steps; {pixels})")
-
-
-def probed_rate(config, splits, precision, device, never: NeverFell) -> tuple[float, str]:
-    """(the peak, why) where no range test could be read: of the linear-scaling rule's rate and
-    quarters of it (down while a quarter does better, CANDIDATES at most), each trained
-    PROBE_STEPS from the same initial weights, the one with the lowest validation loss, once
-    it beats guessing the classes' shares beyond noise; NothingLearned where it does not. A
-    fall within noise earns another PROBE_STEPS, up to PROBE_ROUNDS in all: a slow starter
-    gets there, shuffled labels do not. Rank 0's choices hold on every rank."""
-    rule = RULE_PER_256 * config.batch_size * distributed.current().world_size / 256
-    say(f"--lr auto: no range test could be read ({never.detail}); {PROBE_STEPS} steps at the "
-        f"linear-scaling rule's {rule:.3g} and at quarters of it decide the peak, and whether "
-        "the data can be learned ...", quiet=config.quiet)
-    rates, probes, results = _descend(config, splits, precision, device, rule)
-    lr = distributed.broadcast(min(rates, key=lambda rate: _mean_loss(results[rate])))
-    for other in set(rates) - {lr}:
-        probes[other].close()
-    tried = ", ".join(f"{rate:.3g}: {_mean_loss(results[rate]):.4f}" for rate in rates)
-    before, after, guessing = results[lr]
-    for rounds in range(1, PROBE_ROUNDS + 1):
-        if rounds > 1:
-            before, after, guessing = next(probes[lr])
-        if not all(map(math.isfinite, after)):
-            raise PipelineError(f"--lr auto: no range test could be read ({never.detail}), and "
-                                f"every rate from the linear-scaling rule's {rule:.3g} down made "
-                                "the loss diverge; give a lower --lr yourself")
-        gain = [g - a for g, a in zip(guessing, after)]
-        spread = statistics.stdev(gain) if len(gain) > 1 else 0.0
-        learned = statistics.fmean(gain) > NOISE_SE * spread / math.sqrt(len(gain))
-        losses = (f"the validation loss went from {statistics.fmean(before):.4f} to "
-                  f"{statistics.fmean(after):.4f} over {len(gain)} images in "
-                  f"{rounds * PROBE_STEPS} steps, where guessing the classes' shares scores "
-                  f"{statistics.fmean(guessing):.4f}")
-        settled = learned or statistics.fmean(gain) <= 0
-        learned, losses, settled = distributed.broadcast((learned, losses, settled))
-        if settled:
-            break
-    probes[lr].close()
-    why = (f"{PROBED}the linear-scaling rule's {rule:.3g}, 0.1 per 256 images a step, and "
-           f"quarters of it, {PROBE_STEPS} steps each from the same weights, as the range tests' "
-           f"loss fell too little to read ({never.detail})): validation loss at each {tried}; at "
-           f"{lr:.3g}, {losses}")
-    if learned:
-        say(f"--lr auto: {lr:.3g} (validation loss after {PROBE_STEPS} steps at each rate: "
-            f"{tried}; {losses})", quiet=config.quiet)
-        return lr, why
-    pixels, learnable = distributed.broadcast(pixels_predict_labels(splits, config.seed))
-    if not learnable:
-        raise NothingLearned(
-            f"--lr auto: nothing was learned: the training loss never fell in the range tests "
-            f"({never.detail}), steps at {lr:.3g} (the best of the linear-scaling rule's "
-            f"{rule:.3g} and quarters of it) did not beat guessing beyond noise ({losses}), and "
-            f"{pixels}; check that the labels belong to the images (shuffled labels look like "
-            "this), or give --lr yourself")
-    say(f"--lr auto: {lr:.3g}, the lowest validation loss of the rates probed ({tried}), though "
-        f"none beat guessing beyond noise ({losses}): {pixels}, so the labels belong to the "
-        "images and the network starts slowly", quiet=config.quiet)
-    return lr, f"{why}; none beat guessing beyond noise, but {pixels}"
-
-
-def pixels_predict_labels(splits, seed: int) -> tuple[str, bool]:
-    """(what it found, whether the labels depend on the images): a nearest-class-mean
-    classifier on 8x8-pooled pixels, fitted on up to PIXEL_IMAGES unaugmented training images,
-    scored on up to PROBE_IMAGES validation images against always guessing the commonest class.
-    A check of the data, not of the network: a slow starter (mnasnet0_5 on photos10 left the
-    validation loss at chance after 450 steps at each rate) trains, shuffled labels do not."""
-    import torch
-
-    def sample(dataset, count: int):
-        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))
-        pairs = [dataset[i] for i in order[:count].tolist()]
-        pooled = torch.nn.functional.adaptive_avg_pool2d(
-            torch.stack([image for image, _ in pairs]).float(), 8).flatten(1)
-        return pooled, torch.as_tensor([int(label) for _, label in pairs])
-
-    train_x, train_y = sample(splits.calibration, PIXEL_IMAGES)
-    val_x, val_y = sample(splits.val, PROBE_IMAGES)
-    classes = train_y.unique()
-    means = torch.stack([train_x[train_y == c].mean(0) for c in classes])
-    accuracy = (classes[torch.cdist(val_x, means).argmin(1)] == val_y).double().mean().item()
-    commonest = torch.bincount(val_y).max().item() / len(val_y)
-    noise = NOISE_SE * math.sqrt(commonest * (1 - commonest) / len(val_y))
-    return (f"a nearest-class-mean classifier on the pixels scored {accuracy:.1%} on "
-            f"{len(val_y)} validation images, where guessing the commonest class scores "
-            f"{commonest:.1%}"), accuracy > commonest + noise
-
-
-def _descend(config, splits, precision, device, rule: float) -> tuple[list, dict, dict]:
-    """The rates probed, from ``rule`` down in quarters while a quarter does better, with each
-    one's probe and its first round."""
-    rates, probes, results = [], {}, {}
-    for k in range(CANDIDATES):
-        rates.append(rule / RATE_STEP ** k)
-        probes[rates[-1]] = validation_probe(config, splits, precision, device, rates[-1])
-        results[rates[-1]] = next(probes[rates[-1]])
-        lower_did_better = k == 0 or _mean_loss(results[rates[-1]]) < _mean_loss(
-            results[rates[-2]])
-        if not distributed.broadcast(lower_did_better):
-            break
-    return rates, probes, results
-
-
-def _mean_loss(probed: tuple) -> float:
-    """A probe's mean validation loss; infinite where it diverged."""
-    after = probed[1]
-    return statistics.fmean(after) if all(map(math.isfinite, after)) else math.inf
-
-
-def validation_probe(config, splits, precision, device, lr: float, steps: int = PROBE_STEPS):
-    """Each validation image's loss (at most PROBE_IMAGES) before training, after each round
-    of ``steps`` steps at a constant ``lr`` from the initial weights training starts from, and
-    what guessing the classes' shares among those images would score on each (the bar a model
-    that learned anything clears; a loss that only fell from a poor initial scale does not):
-    yields (before, after, guessing) per round, for as long as asked."""
-    import torch
-
-    probe = dataclasses.replace(config, lr=lr, time=None)
-    parts = build_parts(probe, splits, precision, device)
-    parts.scheduler = torch.optim.lr_scheduler.LambdaLR(parts.optimizer, lambda step: 1.0)
-    # A seeded sample, not the first images: an image folder lists its classes in order.
-    order = torch.randperm(len(splits.val), generator=torch.Generator().manual_seed(config.seed))
-    images = torch.utils.data.Subset(splits.val, order[:PROBE_IMAGES].tolist())
-    before, labels = _image_losses(parts.model, images, device)
-    shares = torch.bincount(torch.tensor(labels)).double() / len(labels)
-    guessing = [-math.log(shares[label]) for label in labels]
-    batches, done = endless_batches(parts), 0
-    while True:
-        parts.trained.train()
-        for batch, targets in itertools.islice(batches, steps):
-            train_step(parts, precision, device, probe.grad_clip, batch, targets,
-                       DeviceSums(device), done)
-            done += 1
-        after, _ = _image_losses(parts.model, images, device)
-        yield before, after, guessing
-
-
-def _image_losses(model, images, device) -> tuple[list[float], list[int]]:
-    import torch
-
-    model.eval()
-    losses, labels = [], []
-    with torch.no_grad():
-        for batch, targets in make_loader(images, 256):
-            logits = model(batch.to(device)).float()
-            losses += torch.nn.functional.cross_entropy(
-                logits, targets.to(device), reduction="none").tolist()
-            labels += targets.tolist()
-    return losses, labels
+                f"too little to read ({never.detail}), and {too_long}; {pixels})")
 
 
 def planned_steps(config, splits, precision) -> int | None:
@@ -335,9 +192,11 @@ def planned_steps(config, splits, precision) -> int | None:
     return models * config.epochs * math.ceil(len(splits.train) / batch)  # the last batch too
 
 
-def range_test(config, splits, precision, device, steps: int = MAX_STEPS) -> dict:
+def range_test(config, splits, precision, device, steps: int = MAX_STEPS,
+               seconds: float | None = None) -> dict:
     """The curve (lrs, smoothed losses) and the learning rates read from it; NeverFell where
-    the loss never fell."""
+    the loss never fell; TooLong where its first steps' pace says all of them would take more
+    than ``seconds`` (rank 0's pace decides for every rank)."""
     import torch
 
     probe = dataclasses.replace(config, lr=1.0, time=None)  # the schedule below sets the lr
@@ -352,6 +211,12 @@ def range_test(config, splits, precision, device, steps: int = MAX_STEPS) -> dic
     for images, labels in endless_batches(parts):
         if len(lrs) >= steps:
             break
+        if len(lrs) == 1:
+            paced = time.perf_counter()
+        elif len(lrs) == PACE_STEPS and seconds is not None:
+            projected = (time.perf_counter() - paced) / (PACE_STEPS - 1) * steps
+            if distributed.broadcast(projected > seconds):
+                raise TooLong(projected, steps, seconds / TIME_SHARE)
         lr = parts.optimizer.param_groups[0]["lr"]
         sums = DeviceSums(device)
         train_step(parts, precision, device, probe.grad_clip, images, labels, sums, len(lrs))

@@ -6,7 +6,7 @@ import torch
 from pipeline.config import TrainConfig
 from stages import report, train
 from stages.run import artifacts, loading
-from stages.training import batchnorm, failures, memory
+from stages.training import batchnorm, failures, lr_probe, memory
 from stages.training.precision import Precision
 from tests.conftest import TINY_TRAIN
 
@@ -429,7 +429,8 @@ def test_a_range_test_whose_loss_never_fell_runs_once_more_held_longer(tmp_path,
 
     tried = []
 
-    def range_test(config, splits, precision, device, steps=lr_range.MAX_STEPS):
+    def range_test(config, splits, precision, device, steps=lr_range.MAX_STEPS,
+                   seconds=None):
         tried.append(steps)
         if steps < slow_learner_steps:
             raise lr_range.NeverFell([1e-3, 2e-3], "the smoothed loss went from 2.3 to 2.29")
@@ -453,6 +454,33 @@ def test_a_range_test_whose_loss_never_fell_runs_once_more_held_longer(tmp_path,
     assert not (flat.root / "train" / "lr-range.json").exists()
 
 
+def test_under_time_a_range_test_too_slow_for_its_share_gives_way_to_the_rule(tmp_path,
+                                                                              monkeypatch):
+    """--time 60s: the range test may take a tenth of it. Its first steps, on a clock that
+    moves 10 s a call (2 s a step), say its 150 steps would take 300 s, so it stops there and
+    the linear-scaling rule gives the peak (at 224x224 the test took 11 minutes of a
+    10-minute budget), recorded with why and shown in the report's sentence."""
+    from types import SimpleNamespace
+
+    from stages.data import datasets
+    from stages.report.markdown import _lr_sentence
+    from stages.training import lr_range
+
+    ticks = iter(range(0, 10_000, 10))
+    monkeypatch.setattr(lr_range, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    config = TrainConfig(**TINY_TRAIN | {"lr": "auto", "time": "60s"})
+    run = artifacts.create_run(tmp_path, "paced")
+    splits = datasets.load_splits(config)
+    lr, why = lr_range.peak_lr(config, splits, FP32, torch.device("cpu"), run, {})
+    assert lr == pytest.approx(0.025) and "lr-range" not in run.artifacts()
+    assert why == ("linear-scaling rule (0.1 per 256 images a step; a range test of 150 steps "
+                   "would take about 300 s, over a tenth of --time (60 s))")
+    assert _lr_sentence({"learning_rate": {"value": lr, "found_by": why}}) == (
+        " Peak learning rate 0.025, by Goyal et al.'s linear-scaling rule (0.1 per 256 images a "
+        "step): a range test of 150 steps would take about 300 s, over a tenth of --time "
+        "(60 s).")
+
+
 def test_a_second_range_test_longer_than_the_training_gives_way_to_the_rule(tmp_path,
                                                                            monkeypatch):
     """100 planned steps: the first test (150) runs, the second (450) would take more than
@@ -465,7 +493,8 @@ def test_a_second_range_test_longer_than_the_training_gives_way_to_the_rule(tmp_
 
     tried = []
 
-    def unreadable(config, splits, precision, device, steps=lr_range.MAX_STEPS):
+    def unreadable(config, splits, precision, device, steps=lr_range.MAX_STEPS,
+                   seconds=None):
         tried.append(steps)
         raise lr_range.NeverFell([1e-3, 1.0], "the smoothed loss went from 2.3 to 2.25")
 
@@ -502,7 +531,8 @@ def test_with_no_range_test_readable_a_learner_trains_and_shuffled_labels_are_re
     from stages.report.markdown import _lr_sentence
     from stages.training import lr_range
 
-    def unreadable(config, splits, precision, device, steps=lr_range.MAX_STEPS):
+    def unreadable(config, splits, precision, device, steps=lr_range.MAX_STEPS,
+                   seconds=None):
         raise lr_range.NeverFell([1e-3, 1.0], "the smoothed loss went from 2.3 to 2.25")
 
     monkeypatch.setattr(lr_range, "range_test", unreadable)
@@ -518,7 +548,7 @@ def test_with_no_range_test_readable_a_learner_trains_and_shuffled_labels_are_re
                           "step, and quarters of it, 450 steps each from the same weights, as "
                           "the range tests' loss fell too little to read (the smoothed loss went "
                           "from 2.3 to 2.25)): validation loss at each 0.025: ")
-    assert f" in {lr_range.PROBE_STEPS} steps, where guessing" in why
+    assert f" in {lr_probe.PROBE_STEPS} steps, where guessing" in why
     assert _lr_sentence({"learning_rate": {"value": recorded["resolved_lr"], "found_by": why}}
                         ).startswith(f" Peak learning rate {recorded['resolved_lr']:.3g}, the "
                                      "best of the rates probed (the linear-scaling rule's")
@@ -571,16 +601,16 @@ def test_a_fall_within_noise_earns_the_probe_more_steps_and_no_fall_none(monkeyp
     from stages.training import lr_range
 
     asked, rule = [], 0.025
-    monkeypatch.setattr(lr_range, "pixels_predict_labels",
+    monkeypatch.setattr(lr_probe, "pixels_predict_labels",
                         lambda splits, seed: ("the pixels scored as guessing", False))
     # Only the rule's rate: a quarter of it does worse in its first round.
     worse = [(0.5, -1.5)]
-    monkeypatch.setattr(lr_range, "validation_probe", _probe_of({rule: gains, rule / 4: worse},
+    monkeypatch.setattr(lr_probe, "validation_probe", _probe_of({rule: gains, rule / 4: worse},
                                                                 asked))
     config = TrainConfig(**TINY_TRAIN | {"lr": "auto"})
     never = lr_range.NeverFell([1e-3, 1.0], "the smoothed loss went from 2.3 to 2.29")
     outcome, rounds = verdict.split(" in ")
-    steps = f"in {int(rounds) * lr_range.PROBE_STEPS} steps"
+    steps = f"in {int(rounds) * lr_probe.PROBE_STEPS} steps"
     if outcome == "learned":
         lr, why = lr_range.probed_rate(config, None, FP32, None, never)
         assert lr == pytest.approx(rule) and steps in why
@@ -598,8 +628,8 @@ def test_a_slow_starter_on_learnable_data_trains_at_the_best_rate_probed(monkeyp
 
     rule, asked = 0.025, []
     gains = {rule: [(0.0, -0.2)], rule / 4: [(0.0, -0.1)], rule / 16: [(0.0, -0.15)]}
-    monkeypatch.setattr(lr_range, "validation_probe", _probe_of(gains, asked))
-    monkeypatch.setattr(lr_range, "pixels_predict_labels",
+    monkeypatch.setattr(lr_probe, "validation_probe", _probe_of(gains, asked))
+    monkeypatch.setattr(lr_probe, "pixels_predict_labels",
                         lambda splits, seed: ("the pixels scored 31.0%", True))
     config = TrainConfig(**TINY_TRAIN | {"lr": "auto"})
     never = lr_range.NeverFell([1e-3, 1.0], "the smoothed loss went from 2.3 to 2.29")
@@ -632,7 +662,7 @@ def test_the_probe_goes_down_in_quarters_while_a_lower_rate_does_better(monkeypa
 
     rule, asked = 0.025, []
     gains = {rule: [(0.2, 0.0)], rule / 4: [(1.0, 0.0)], rule / 16: [(0.9, 0.0)]}  # means
-    monkeypatch.setattr(lr_range, "validation_probe", _probe_of(gains, asked))
+    monkeypatch.setattr(lr_probe, "validation_probe", _probe_of(gains, asked))
     config = TrainConfig(**TINY_TRAIN | {"lr": "auto"})
     never = lr_range.NeverFell([1e-3, 1.0], "the smoothed loss went from 2.3 to 2.29")
     lr, why = lr_range.probed_rate(config, None, FP32, None, never)
