@@ -74,8 +74,8 @@ def proc_stat_seconds(cpus: Iterable[int], path: str = "/proc/stat"
             busy += sum(ticks[i] for i in BUSY_FIELDS)
             steal += ticks[STEAL_FIELD] if len(ticks) > STEAL_FIELD else 0
             found += 1
-    if not found:  # CPUs numbered otherwise than the affinity mask (lxcfs): unknown, not idle
-        return None
+    if found < len(wanted):  # CPUs numbered otherwise than the affinity mask (lxcfs): a part
+        return None  # of them would undercount the load, so it is unknown, not idle
     tick = os.sysconf("SC_CLK_TCK")
     return busy / tick, steal / tick
 
@@ -157,15 +157,23 @@ class Meter:
 def judge(timings: dict[str, Timing], usage: dict, allowed_others: float) -> dict:
     """A session's conditions: busy (others over ``allowed_others``), the variants whose rounds
     spread beyond ROUND_SPREAD_LIMIT, and whether it is clean of both."""
+    from stages.measure.timing import IDLE_MAX_WAIT
+
     spreads = {name: t.round_spread() for name, t in timings.items()}
     unstable = {name: spread for name, spread in spreads.items() if spread > ROUND_SPREAD_LIMIT}
+    # Timed though this process's other threads still ran (a pool spinning on after a call):
+    # the wait before a call gave up rather than found the process idle.
+    never_idle = sorted(name for name, t in timings.items()
+                        if t.idle_waits and max(t.idle_waits) >= IDLE_MAX_WAIT)
     others = usage["others_cores"]
     busy = others is not None and others > allowed_others
-    return usage | {"busy": busy, "unstable": unstable, "clean": not busy and not unstable}
+    return usage | {"busy": busy, "unstable": unstable, "never_idle": never_idle,
+                    "clean": not busy and not unstable and not never_idle}
 
 
 def _disturbance(conditions: dict) -> tuple:
-    return conditions["busy"], len(conditions["unstable"]), conditions["others_cores"] or 0.0
+    return (conditions["busy"], len(conditions["unstable"]) + len(conditions["never_idle"]),
+            conditions["others_cores"] or 0.0)
 
 
 class Watch:
@@ -237,6 +245,11 @@ def describe(session: dict, record: dict) -> str:
             f"the rounds of {spread} {where} varied more than {record['round_spread_limit']:g}x "
             "between their slower and faster quarters, so something took the machine during "
             "some of them")
+    if session.get("never_idle"):
+        parts.append(
+            f"{', '.join(f'`{name}`' for name in session['never_idle'])} {where} was timed "
+            "while other threads of this process still used the CPU (the wait for them gave "
+            "up)")
     text = "; ".join(parts)
     return text[0].upper() + text[1:] + "."
 

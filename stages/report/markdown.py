@@ -100,10 +100,11 @@ def _timing_caveat(record: dict | None) -> list[str]:
 
 def _quiet_sentence(record: dict | None) -> str:
     """How busy the machine was while timing, for the table's note."""
-    measured = [s["others_cores"] for s in (record or {}).get("sessions", [])
-                if s["others_cores"] is not None]
+    sessions = (record or {}).get("sessions", [])
+    measured = [s["others_cores"] for s in sessions if s["others_cores"] is not None]
     if not measured:
-        return ""
+        return (" The load of other processes could not be read (no /proc/stat line for these "
+                "CPUs), so a busy machine would go unnoticed.") if sessions else ""
     state = "clean" if record["clean"] else "not clean, as the verdict says"
     return (f" Other processes used at most {max(measured):.2f} cores on average while a batch "
             f"size was timed (from /proc/stat; over {record['others_cores_limit']:.2f} a "

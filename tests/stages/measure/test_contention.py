@@ -179,6 +179,8 @@ def test_proc_stat_counts_busy_and_stolen_time_on_the_cpus_given(tmp_path):
     assert busy == pytest.approx((100 + 10 + 200 + 1 + 2 + 500 + 60 + 300 + 5 + 3) / tick)
     assert steal == pytest.approx((30 + 40) / tick)
     assert contention.proc_stat_seconds([0], path=str(tmp_path / "missing")) is None
+    # A CPU the file does not list (lxcfs numbers them otherwise): the sum would undercount.
+    assert contention.proc_stat_seconds([0, 5], path=str(stat)) is None
 
 
 def test_without_proc_stat_the_spread_alone_is_judged():
@@ -190,6 +192,30 @@ def test_without_proc_stat_the_spread_alone_is_judged():
     watch.time("cpu", 1, _session(box))
     [session] = watch.record()["sessions"]
     assert session["others_cores"] is None and not session["busy"] and session["clean"]
+    from stages.report.markdown import _quiet_sentence
+
+    assert _quiet_sentence(watch.record()) == (
+        " The load of other processes could not be read (no /proc/stat line for these CPUs), so "
+        "a busy machine would go unnoticed.")
+
+
+def test_a_variant_timed_while_its_process_never_went_idle_is_not_clean():
+    """A pool in this process that spins on after each call (OMP_WAIT_POLICY=ACTIVE): the wait
+    before its calls gives up at IDLE_MAX_WAIT, and the session says so rather than clean."""
+    box = Box(others=[(0.0, 100.0, 0.02)])
+    spinning = _steady(2.0)
+    spinning.idle_waits = [0.001, timing.IDLE_MAX_WAIT + 0.001]
+    quiet = _steady(4.0)
+    quiet.idle_waits = [0.001, 0.002]
+    watch = contention.Watch(threads=2, meter=box.meter(), retries=0)
+    watch.time("cpu", 32, _session(box, results=[{"fp32": quiet, "onnx-fp32": spinning}]))
+    record = watch.record()
+    [session] = record["sessions"]
+    assert session["never_idle"] == ["onnx-fp32"] and not session["clean"]
+    assert contention.warnings(record) == [
+        "`onnx-fp32` at batch 32 on the CPU was timed while other threads of this process still "
+        "used the CPU (the wait for them gave up). These latencies and speed-ups are not clean "
+        "figures: run 'pipeline report' again on a quiet machine."]
 
 
 def test_variants_run_with_a_thread_per_cpu_the_process_may_use():
