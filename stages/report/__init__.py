@@ -21,6 +21,7 @@ from stages.report.compare import compare_markdown
 from stages.report.diagnosis import (
     amx_warnings,
     crash_warnings,
+    extra_crash_warnings,
     isa_note,
     parity_warnings,
     warnings_for,
@@ -127,7 +128,7 @@ def assemble(run: Run, config, threads: int, rows: list[dict], measured: dict,
         "warnings": _warnings(run, rows, reference, config, training, measured, environment),
         "parity": measured["parity"], "figures": figures, "environment": environment,
         "timing_conditions": conditions, "profiles": measured["profiles"],
-        "crashed": measured["crashed"],
+        "crashed": measured["crashed"], "extras_crashed": measured["extras_crashed"],
     }
 
 
@@ -168,6 +169,7 @@ def _warnings(run: Run, rows: list[dict], reference: str, config, training: dict
                            measured["profiles"], machine.cpu_has_vnni())
             + parity_warnings(measured["parity"]) + profile.failures(measured["profiles"])
             + isa_note(environment) + crash_warnings(measured["crashed"])
+            + extra_crash_warnings(measured["extras_crashed"])
             + amx_warnings(rows, str(max(config.batch_sizes)))
             + [m for m in dict.fromkeys(vnni_mismatch(run, r["variant"]) for r in rows) if m]
             + [f"{name} (quantize): {why}" for name, why in run.recorded_config(

@@ -212,6 +212,12 @@ def crash_warnings(crashed: list[dict]) -> list[str]:
             + _killed_for_memory(c) for c in crashed]
 
 
+def extra_crash_warnings(crashed: list[dict]) -> list[str]:
+    return [f"{c['name']} crashed the process measuring it while {c['phase']} ({c['signal']} in "
+            f"{c['runtime']}, oneDNN {c['onednn_max_cpu_isa']}): it was measured again without "
+            "that, and its figures stand." for c in crashed]
+
+
 def _killed_for_memory(crash: dict) -> str:
     """Why a SIGKILL most likely came: the kernel's out-of-memory killer sends it, and the
     measuring process holds every variant at once (efficientnet_b0 at 224x224: 24 GB)."""

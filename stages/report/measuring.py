@@ -75,10 +75,14 @@ def calibrations(run: Run) -> set[tuple[int, int]]:
                 "calibration_samples")}
 
 
-def measure_variants(run: Run, config, threads: int, scratch: Path, skip=(),
+EXTRAS = ("reading the kernels it runs", "profiling")  # phases a row's figures stand without
+
+
+def measure_variants(run: Run, config, threads: int, scratch: Path, skip=(), plain=(),
                      doing: Doing = Doing()) -> tuple[list[dict], dict]:
     """Score every variant (every row but those in ``skip``) on the selection and test images,
-    then time them all together; ``doing`` is told which row each step runs."""
+    then time them all together; ``doing`` is told which row each step runs. The rows in
+    ``plain`` get none of the EXTRAS (one crashed the process in them)."""
     splits = splits_of_run(run)
     quantized_with = run.recorded_config("quantize")
     calibrated = (quantized_with.get("calibration_samples", 512), quantized_with.get("seed", 0))
@@ -105,8 +109,10 @@ def measure_variants(run: Run, config, threads: int, scratch: Path, skip=(),
     compare_with_reference(rows, logits, reference)
     timings, conditions = time_variants(loaded, splits, config, threads, doing=doing)
     record_latencies(rows, timings, loaded, splits, config)
-    record_kernels(rows, loaded, splits, config, doing)
+    record_kernels(rows, loaded, splits, config, doing, plain)
     speedups(rows, reference, config.max_accuracy_drop)
+    for name in plain:
+        loaded.pop(name, None)
     return rows, {"reference": reference, "parity": parity(run, logits),
                   "unmeasured": unmeasured, "timing_conditions": conditions,
                   "profiles": profiled(loaded, rows, reference, config, splits, doing)}
@@ -189,14 +195,18 @@ def record_latencies(rows: list[dict], timings: dict, loaded: dict, splits, conf
             row["peak_gpu_memory_bytes"] = gpu.peak_memory(loaded[row["name"]].call_for(largest))
 
 
-def record_kernels(rows: list[dict], loaded: dict, splits, config, doing: Doing) -> None:
+def record_kernels(rows: list[dict], loaded: dict, splits, config, doing: Doing,
+                   plain=()) -> None:
     """Each CPU row's `kernels` at the largest batch size: the oneDNN kernels one call ran, as
-    its runtime names them (None where the runtime does not say: ONNX Runtime)."""
+    its runtime names them (None where the runtime does not say: ONNX Runtime, or where
+    reading them crashed the process before: ``plain``)."""
     size = max(config.batch_sizes)
     batch = timing.random_batch(splits.input_shape(size))
     for row in rows:
         read = loaded[row["name"]].kernels if row["device"] == "cpu" else None
         row["kernels"] = None
+        if row["name"] in plain:
+            continue
         if read is not None:
             doing(doing_text(row["name"], "reading the kernels it runs", size))
             try:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from stages.data.datasets import splits_of_run
 from stages.measure import machine, timing
-from stages.report.measuring import measure_variants, time_variants
+from stages.report.measuring import EXTRAS, measure_variants, time_variants
 from stages.run import isolated
 from stages.run.artifacts import Run, versions
 from stages.run.errors import PipelineError
@@ -49,36 +49,43 @@ RUNTIME_PACKAGES = {"pytorch": "torch", "onnxruntime": "onnxruntime", "openvino"
 
 
 def measure_in_child(doing: isolated.Doing, run: Run, config, threads: int, scratch: Path,
-                     skip: list[str]):
+                     skip: list[str], plain: list[str] = ()):
     """In the child: measure_variants on the run, and the instruction set it ran with."""
     import torch
 
     torch.set_num_threads(threads)
-    rows, measured = measure_variants(run, config, threads, scratch, skip=skip, doing=doing)
+    rows, measured = measure_variants(run, config, threads, scratch, skip=skip, plain=plain,
+                                      doing=doing)
     return rows, measured | {"isa": machine.isa()}
 
 
 def measure(run: Run, config, threads: int, scratch: Path) -> tuple[list[dict], dict]:
     """measure_variants in a child process, again without any variant that crashed it;
-    ``measured["crashed"]`` lists those."""
+    ``measured["crashed"]`` lists those. A crash in an extra (profiling, reading kernels)
+    costs that extra, not the variant's figures: ``measured["extras_crashed"]``."""
     crashed: list[dict] = []
+    extras: list[dict] = []
     while True:
         try:
             rows, measured = isolated.call(CHILD, run, config, threads, scratch,
-                                           [c["name"] for c in crashed])
+                                           [c["name"] for c in crashed],
+                                           [c["name"] for c in extras])
         except isolated.Crashed as crash:
             record = crash_record(crash)
             if record is None or record["name"] in {c["name"] for c in crashed}:
                 raise PipelineError(f"the report's measuring process died with {crash}, "
                                     "outside any variant; run again with --debug") from None
-            crashed.append(record)
+            in_extra = record["phase"] in EXTRAS and record["name"] not in {
+                c["name"] for c in extras}
+            (extras if in_extra else crashed).append(record)
             say(f"report: {record['name']} crashed ({record['signal']} while "
-                f"{record['phase']}); measuring the other variants again without it",
+                f"{record['phase']}); measuring again " + (
+                    f"without its {record['phase']}" if in_extra else "without it"),
                 quiet=config.quiet)
             continue
         if config.time_below_amx:
             time_below_amx(run, config, threads, rows)
-        return rows, measured | {"crashed": crashed}
+        return rows, measured | {"crashed": crashed, "extras_crashed": extras}
 
 
 def amx_unused() -> bool:
