@@ -49,8 +49,12 @@ def test_every_variant_loads_in_one_line_and_predicts_what_the_report_scored(tin
     logits = model.predict(images.numpy())
     assert isinstance(logits, np.ndarray) and logits.shape == (360, 10)
     row = next(m for m in report["models"] if m["name"] == name)
-    # The report scored it in a process of its own: the same number of images right.
-    assert (logits.argmax(1) == labels.numpy()).sum() / 360 == row["test"]["accuracy"]
+    # The report scored it in a process of its own: the same number of images right. A bf16
+    # variant may round one near tie the other way: on an AMX CPU this process is capped
+    # below AMX (conftest) and the report's was not.
+    right = (logits.argmax(1) == labels.numpy()).sum()
+    allowed = 1 if row["precision"] == "bf16" else 0
+    assert abs(right - round(row["test"]["accuracy"] * 360)) <= allowed
 
 
 def test_recommended_is_the_reports_choice_and_needs_a_report(tiny_run, fresh_tiny_run):

@@ -57,9 +57,12 @@ def test_report_json_has_the_contract_fields(tiny_run):
 def test_report_numbers_agree_with_training_and_files(tiny_run):
     run, data = tiny_run["run"], tiny_run["report"]
     models = {m["name"]: m for m in data["models"]}
-    # The report re-measures the saved models: they must match what training measured.
-    for name in ("fp32", "amp"):
-        assert models[name]["accuracy"] == pytest.approx(tiny_run["train"][name].test_accuracy)
+    # The report re-measures the saved models: they must match what training measured; amp
+    # is scored in fp32 by training and served under bf16 autocast by the report, whose
+    # kernels (AVX-512 BF16, AMX, emulated) may round a near tie the other way.
+    assert models["fp32"]["accuracy"] == pytest.approx(tiny_run["train"]["fp32"].test_accuracy)
+    assert abs(models["amp"]["accuracy"] - tiny_run["train"]["amp"].test_accuracy) <= (
+        1 / 360 + 1e-9)
     assert models["torch-static"]["size_bytes"] == run.entry("torch-static")["bytes"]
     assert models["openvino-int8"]["size_bytes"] == run.shipped_bytes("openvino-int8")
     # amp is served in bf16 and compared with a separately trained fp32 model.
