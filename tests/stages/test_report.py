@@ -536,6 +536,9 @@ def test_gpu_rows_are_set_apart_from_cpu_rows_in_the_verdict_and_the_markdown(ti
     with a row of the other device."""
     import copy
 
+    from pipeline.config import ReportConfig
+    from stages.report import _verdicts
+
     data = copy.deepcopy(tiny_run["report"])
     cpu_rows = data["models"]
     scale = {"fp32@cuda": 0.1, "amp@cuda": 1 / 15}
@@ -558,9 +561,11 @@ def test_gpu_rows_are_set_apart_from_cpu_rows_in_the_verdict_and_the_markdown(ti
     assert gpu_rows[0]["speedup_vs_best_float"]["32"]["best_float"] == "amp@cuda"
     assert all(r["speedup_vs_best_float"]["32"]["best_float"] != "amp@cuda" for r in cpu_rows)
     before = tiny_run["report"]["verdict"]["recommended"]
-    on_gpu = recommendation.verdict(gpu_rows, "fp32@cuda", 1.0) | {"device": "cuda"}
-    data["verdict"] = recommendation.verdict(recommendation.on_device(rows, "cpu"), "fp32",
-                                             1.0) | {"device": "cpu", "gpu": on_gpu}
+    conditions = copy.deepcopy(data["timing_conditions"])  # a CUDA session beside the CPU's
+    conditions["sessions"] += [s | {"device": "cuda"} for s in conditions["sessions"]]
+    data["verdict"] = _verdicts(rows, "fp32", ReportConfig(), conditions, gpu_rows)
+    assert data["verdict"]["device"] == "cpu" and data["verdict"]["gpu"]["device"] == "cuda"
+    assert data["verdict"]["gpu"]["reference"] == "fp32@cuda"
     data["models"] = rows
     data["environment"] |= {"gpu": "NVIDIA H200", "gpu_rows": True, "gpu_note": ""}
     assert data["verdict"]["recommended"] == before
