@@ -22,8 +22,13 @@ def _int8_convolutions(graph) -> list[bool]:
             if node.op == "call_function" and "conv2d" in str(node.target)]
 
 
-def test_the_options_keep_depthwise_in_float_only_without_vnni_and_never_for_qat():
-    assert pt2e.pt2e_options()["float_depthwise"] is not pt2e.cpu_has_vnni()
+@pytest.mark.parametrize("vnni", [True, False])
+def test_the_options_keep_depthwise_in_float_only_without_vnni_and_never_for_qat(monkeypatch,
+                                                                                 vnni):
+    """Both CPU kinds' options on every CPU (each machine would check only its own)."""
+    monkeypatch.setattr(pt2e, "cpu_has_vnni", lambda: vnni)
+    static = pt2e.pt2e_options()
+    assert (static["float_depthwise"], static["weight_bits"]) == (not vnni, 8 if vnni else 7)
     assert pt2e.pt2e_options(qat=True)["float_depthwise"] is False
     assert "float_depthwise" not in pt2e.pt2e_options(dynamic=True)
     assert pt2e.depthwise_names(_inverted_residual()) == ["3"]
