@@ -353,6 +353,9 @@ def _train_each(variants: list, splits: DataSplits, config, run: Run, device,
     # resume too (its restored wall clock), so a resumed amp keeps the share it started with:
     # shared among the models still to train, it had been given the baseline's share as well.
     each = max(0.0, config.time - spent) / len(variants) if config.time else None
+    # What a model takes past its share (scoring the test split, the memory probe: outside
+    # its epochs' plan) comes off the later models', so that the stage keeps to --time.
+    started = time.monotonic()
     for name, precision in variants:
         if resume and name in run.artifacts():
             saved_result = run.entry(name)["training"]
@@ -361,8 +364,10 @@ def _train_each(variants: list, splits: DataSplits, config, run: Run, device,
             say(f"{name}: already finished", quiet=config.quiet)
             continue
         baseline_epochs = max([r.epochs_run or 0 for r in results if r.variant == "fp32"] + [0])
+        left = config.time - spent - (time.monotonic() - started) if config.time else None
+        budget = min(each, max(0.0, left)) if config.time else None
         results.append(train_variant(name, precision, splits, config, run, device, resume,
-                                     baseline_epochs, each))
+                                     baseline_epochs, budget))
     return results
 
 

@@ -264,13 +264,33 @@ def test_the_time_budget_holds_for_the_stage_the_range_test_included(tmp_path, m
 
     from stages.training import lr_range
 
-    readings = iter([0.0, 5.2])  # the stage's start, then the end of the range test
-    monkeypatch.setattr(train, "time", SimpleNamespace(monotonic=lambda: next(readings)))
+    readings = iter([0.0])  # the stage's start, then 5.2 s on from the range test's end
+    monkeypatch.setattr(train, "time", SimpleNamespace(monotonic=lambda: next(readings, 5.2)))
     monkeypatch.setattr(lr_range, "peak_lr", lambda config, *args: (0.05, "range test"))
     run = artifacts.create_run(tmp_path, "spent")
     (result,) = train.run(TrainConfig(**TINY_TRAIN | {"epochs": 3, "time": "5s",
                                                        "baseline": False}), run)
     assert result.epochs_run == 1 and result.stopped.startswith("time: 1 epoch fit")
+
+
+def test_what_a_model_takes_past_its_share_comes_off_the_next_models(monkeypatch):
+    """--time 100s, 10 s spent before training: 45 s each. fp32 takes 60 s in all (its test
+    scoring and memory probe come after its epochs' plan): amp gets the 30 s left."""
+    from types import SimpleNamespace
+
+    now, budgets = [0.0], []
+
+    def trains(name, precision, splits, config, run, device, resume, baseline_epochs, each):
+        budgets.append((name, each))
+        now[0] += 60.0
+        return SimpleNamespace(variant=name, epochs_run=1)
+
+    monkeypatch.setattr(train, "train_variant", trains)
+    monkeypatch.setattr(train, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    config = TrainConfig(**TINY_TRAIN | {"time": "100s"})
+    train._train_each([("fp32", None), ("amp", None)], None, config, None, None,
+                      resume=False, spent=10.0)
+    assert budgets == [("fp32", 45.0), ("amp", 30.0)]
 
 
 def test_a_model_resumed_under_time_keeps_its_share_of_the_budget(monkeypatch):
