@@ -306,6 +306,9 @@ def tune(backend: Backend, candidates: list[dict], reference: dict, budget_point
                     f"{0.0 - found.drop_points:+.2f} points, at worst "
                     f"{0.0 - found.worst_drop_points:+.2f} ({fallback['stopped']})")
             record["closest"] = found.summary()
+    elif chosen is None:  # the candidates used the time: the fallback was never tried
+        why += "; --tuning-time spent before layers could be kept in float"
+        record["closest"] = min(trials, key=lambda t: t.worst_drop_points).summary()
     record["chosen"] = chosen.summary() if chosen is not None else None
     record["why"] = why
     return chosen, record
