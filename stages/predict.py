@@ -186,7 +186,33 @@ def arguments(doc: str, folder: Path):
     serving = json.loads((folder / "manifest.json").read_text())["serving"]
     for name, value in serving.get("environment", {}).items():
         os.environ.setdefault(name, value)
+    warning = vnni_warning(serving, _cpu_flags())
+    if warning:
+        print(f"predict.py: warning: {warning}", file=sys.stderr)
     return args
+
+
+VNNI_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}  # as stages/measure/machine.py reads them
+
+
+def vnni_warning(serving: dict, flags: set[str]) -> str | None:
+    """Why a model quantized for VNNI may predict wrongly on a CPU with ``flags`` (as
+    runtimes.vnni_mismatch says in the project); None where it fits, or the flags are unknown."""
+    if not (serving.get("made_for_vnni") and flags) or VNNI_FLAGS & flags:
+        return None
+    return ("this model was quantized on a CPU with VNNI (full 8-bit weights) and this one has "
+            "none, where int8 products can saturate and the predictions drift; export it from "
+            "a run quantized on a CPU like this one")
+
+
+def _cpu_flags() -> set[str]:
+    """This CPU's flags from /proc/cpuinfo; empty where there is none to read (not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
 
 
 def verify_folder(folder: Path) -> str | None:

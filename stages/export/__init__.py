@@ -148,7 +148,7 @@ def run(config, run: Run) -> Path:
         else:
             serving |= _save_torch(run, name, folder)
             say(f"export: {CODE_WARNING}", quiet=False)
-        serving |= _environment(run, name)
+        serving |= _environment(run, name) | {"made_for_vnni": runtimes.made_for_vnni(run, name)}
         (folder / "preprocessing.json").write_text(json.dumps(spec, indent=2) + "\n")
         shutil.copyfile(preprocess.__file__, folder / "preprocess.py")
         shutil.copyfile(predict.__file__, folder / "predict_loop.py")

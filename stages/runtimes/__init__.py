@@ -104,6 +104,14 @@ def load(run, name: str, threads: int) -> Loaded:
     return LOADERS[VARIANTS[name].runtime](run, name, threads)
 
 
+def made_for_vnni(run, name: str) -> bool:
+    """Whether ``name`` was quantized for a CPU with VNNI: full 8-bit weights (PT2E), or ONNX
+    Runtime's weights without reduce_range."""
+    quantization = run.entry(name).get("quantization") or {}
+    options = quantization | (quantization.get("options") or {})  # ORT's: the record itself
+    return options.get("weight_bits") == 8 or options.get("reduce_range") is False
+
+
 def vnni_mismatch(run, name: str) -> str | None:
     """Why ``name`` may compute wrongly on this CPU: made where VNNI ran it (full 8-bit weights,
     stages/runtimes/pt2e.py and onnxruntime.py), it runs here without VNNI, whose AVX2 int8
@@ -111,10 +119,7 @@ def vnni_mismatch(run, name: str) -> str | None:
     by half their spread on an AVX2 EPYC); None where it fits this CPU."""
     from stages.measure.machine import cpu_has_vnni
 
-    quantization = run.entry(name).get("quantization") or {}
-    options = quantization | (quantization.get("options") or {})  # ORT's: the record itself
-    if cpu_has_vnni() or not (options.get("weight_bits") == 8
-                              or options.get("reduce_range") is False):
+    if cpu_has_vnni() or not made_for_vnni(run, name):
         return None
     return (f"{name} was made on a CPU with VNNI (full 8-bit weights), and this one has none, "
             "where int8 products can saturate: make it again on this CPU (pipeline quantize) "

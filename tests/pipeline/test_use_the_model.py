@@ -17,6 +17,7 @@ import pipeline
 from pipeline.cli import cli
 from stages.data import preprocess
 from stages.data.datasets import splits_of_run
+from stages.measure.machine import cpu_has_vnni
 from stages.run.errors import UsageError
 from stages.runtimes import inductor
 from tests.conftest import FROM_QUANTIZE
@@ -108,6 +109,18 @@ def test_recommended_openvino_is_refused_once_its_weights_file_changes(tiny_run,
                                          "again since the report measured it"):
         runtimes.resolve(run, "recommended")
 
+
+
+def test_an_exported_folder_warns_where_the_cpu_lacks_the_vnni_it_was_quantized_for():
+    from stages.predict import vnni_warning
+
+    made_for_vnni = {"made_for_vnni": True}
+    assert vnni_warning(made_for_vnni, {"avx2", "fma"}).startswith(
+        "this model was quantized on a CPU with VNNI (full 8-bit weights) and this one has none")
+    assert vnni_warning(made_for_vnni, {"avx2", "avx512_vnni"}) is None
+    assert vnni_warning(made_for_vnni, set()) is None  # no /proc/cpuinfo: unknown, not said
+    assert vnni_warning({"made_for_vnni": False}, {"avx2"}) is None
+    assert vnni_warning({}, {"avx2"}) is None  # exported before the field
 
 
 def test_a_run_folder_copied_anywhere_loads(tiny_run, tmp_path):
@@ -286,6 +299,8 @@ def test_other_runtimes_export_and_predict_the_same_top_1(tiny_run, tmp_path, na
     # The runtime (and torch's torchao) that made it, by version: a model.pt2 loads only in a
     # torch that reads its format.
     assert set(manifest["requires"]) - {"numpy", "pillow"} <= set(manifest["versions"])
+    # What predict.py warns about on a CPU without VNNI: torch-static's full 8-bit weights.
+    assert manifest["serving"]["made_for_vnni"] is (name == "torch-static" and cpu_has_vnni())
     if logs:
         assert "torchao" in manifest["requires"]
         kernels = {key: len(re.findall(pattern, proc.stderr))
