@@ -271,15 +271,18 @@ def make_dynamic(ctx) -> dict:
         return pointless
     _quiet_ort_logging()
     made = ctx.scratch / "ort-dynamic.onnx"
+    # 7-bit weights without VNNI, as ort-static's: AVX2's u8 x s8 products can saturate.
+    reduce_range = not cpu_has_vnni()
     with atomic_path(made) as tmp:
         quantize_dynamic(str(ctx.run.verified_path("onnx-fp32")), str(tmp),
-                         weight_type=QuantType.QInt8, op_types_to_quantize=DYNAMIC_OP_TYPES)
+                         weight_type=QuantType.QInt8, op_types_to_quantize=DYNAMIC_OP_TYPES,
+                         reduce_range=reduce_range)
     if not any(c["int8"] for c in onnx_op_counts(made).values()):
         return ctx.refuse("ort-dynamic", "not made: the model has no fully connected layer "
                           "(MatMul), the only kind dynamic int8 quantizes here; ort-static "
                           "quantizes convolutions")
     options = {"dynamic": True, "weight_type": "QInt8", "per_channel": False,
-               "op_types": DYNAMIC_OP_TYPES}
+               "op_types": DYNAMIC_OP_TYPES, "reduce_range": reduce_range}
     source = ort_session(ctx.run.verified_path("onnx-fp32"), ctx.threads)
     record = ctx.score_without_search(
         "ort-dynamic", lambda images: ort_predict(ort_session(made, ctx.threads), images),

@@ -90,4 +90,5 @@ def test_an_export_records_how_the_variant_is_served(tiny_run, tmp_path):
     out = export.run(ExportConfig(out_dir=str(tmp_path / "amp"), variant="amp", quiet=True), run)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["serving"] == {"runtime": "pytorch", "compile": False, "autocast": "bf16",
-                                   "channels_last": True, "int8_passes": False}
+                                   "channels_last": True, "int8_passes": False,
+                                   "made_for_vnni": False}
