@@ -53,17 +53,20 @@ def main() -> None:
     args = parser.parse_args()
 
     import pipeline
-    from pipeline.api import open_run, predict_files
+    from pipeline.api import open_run
     from stages.measure import timing
     from stages.measure.machine import cpu_info
+    from stages.predict import predict_files
 
     run = open_run(args.run, args.artifacts_dir)
     model = pipeline.load(run.root, args.variant)
     with tempfile.TemporaryDirectory() as scratch:
         paths = write_images(run, Path(scratch), args.images)
-        list(predict_files(model, paths[: args.batch_size], args.batch_size))  # warm-up
+        # As `pipeline predict` runs: decoded, preprocessed and predicted in batches.
+        list(predict_files(paths[: args.batch_size], model.spec, model.predict,
+                           args.batch_size))  # warm-up
         started = time.perf_counter()
-        results = list(predict_files(model, paths, args.batch_size))
+        results = list(predict_files(paths, model.spec, model.predict, args.batch_size))
         seconds = time.perf_counter() - started
     assert len(results) == len(paths)
     spec = model.spec
