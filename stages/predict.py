@@ -192,6 +192,20 @@ def arguments(doc: str, folder: Path):
     return args
 
 
+def runtime(module: str, folder: Path):
+    """``module`` (onnxruntime, openvino, torch) imported for an exported folder's predict.py,
+    or one line naming what to install and exit 1, rather than an import's traceback."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        requires = json.loads((folder / "manifest.json").read_text()).get("requires", [module])
+        print(f"predict.py: this model needs {module}, which cannot be imported here "
+              f"({exc}): pip install {' '.join(requires)}", file=sys.stderr)
+        sys.exit(1)
+
+
 VNNI_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}  # as stages/measure/machine.py reads them
 
 

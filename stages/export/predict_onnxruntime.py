@@ -8,7 +8,6 @@ model's input.
 import sys
 from pathlib import Path
 
-import onnxruntime
 import predict_loop
 import preprocess
 
@@ -16,6 +15,7 @@ HERE = Path(__file__).resolve().parent
 
 if __name__ == "__main__":
     args = predict_loop.arguments(__doc__, HERE)  # before the model loads: --help, sha256
+    onnxruntime = predict_loop.runtime("onnxruntime", HERE)
     session = onnxruntime.InferenceSession(str(HERE / "model.onnx"),
                                            providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name

@@ -17,7 +17,8 @@ HERE = Path(__file__).resolve().parent
 if __name__ == "__main__":
     args = predict_loop.arguments(__doc__, HERE)  # before the model loads: --help, sha256
     serving = json.loads((HERE / "manifest.json").read_text())["serving"]
-    import openvino  # after arguments(): it sets the environment the report timed
+    # After arguments(): it sets the environment the report timed.
+    openvino = predict_loop.runtime("openvino", HERE)
 
     core = openvino.Core()
     # As the report timed it: f32 unless the variant is openvino-bf16 (on CPUs with bf16

@@ -52,6 +52,7 @@ if __name__ == "__main__":
     args = predict_loop.arguments(__doc__, HERE)  # before the model loads: --help, sha256
     serving = json.loads((HERE / "manifest.json").read_text())["serving"]
     # After arguments(), which sets the environment the report timed the variant in.
+    predict_loop.runtime("torch", HERE)
     import torch
     import torch._inductor.config
     import torch._inductor.lowering  # noqa: F401  registers PyTorch's quantized_decomposed ops

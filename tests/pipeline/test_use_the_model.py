@@ -211,16 +211,18 @@ def test_predict_prints_a_line_per_image_and_names_what_it_skipped(tiny_run, tmp
     assert "predict" not in run.manifest()["stages"]
 
 
-def _only_onnxruntime_numpy_pillow(folder: Path) -> Path:
-    """A virtual environment holding onnxruntime, numpy and Pillow and nothing else (linked
-    from this one's, so the test needs no network): no torch, no pipeline."""
+def _only_onnxruntime_numpy_pillow(folder: Path,
+                                   names=("onnxruntime", "numpy", "numpy.libs", "PIL",
+                                          "pillow.libs")) -> Path:
+    """A virtual environment holding onnxruntime, numpy and Pillow (or ``names``) and nothing
+    else (linked from this one's, so the test needs no network): no torch, no pipeline."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
     python = folder / "bin" / "python"
     target = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig."
                                   "get_paths()['purelib'])"], capture_output=True, text=True,
                                  check=True).stdout.strip())
     ours = Path(sysconfig.get_paths()["purelib"])
-    for name in ("onnxruntime", "numpy", "numpy.libs", "PIL", "pillow.libs"):
+    for name in names:
         if (ours / name).exists():
             (target / name).symlink_to(ours / name)
     return python
@@ -264,6 +266,15 @@ def test_an_exported_folder_runs_with_onnxruntime_numpy_and_pillow_alone(tiny_ru
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2
     assert missing.stderr == f"predict.py: {tmp_path / 'nope.png'}: no such file or folder\n"
+    # Without its runtime: one line naming what to install, not an import's traceback.
+    bare = _only_onnxruntime_numpy_pillow(tmp_path / "bare", ("numpy", "numpy.libs", "PIL",
+                                                               "pillow.libs"))
+    no_runtime = subprocess.run([str(bare), str(out / "predict.py"), str(paths[0])],
+                                capture_output=True, text=True, timeout=120)
+    assert no_runtime.returncode == 1
+    assert no_runtime.stderr == (
+        "predict.py: this model needs onnxruntime, which cannot be imported here (No module "
+        "named 'onnxruntime'): pip install onnxruntime numpy pillow\n")
     # An export never writes over a folder that holds anything.
     again = _invoke("--artifacts-dir", str(run.artifacts_dir), "--run", run.name, "export",
                     str(out))
