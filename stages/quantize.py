@@ -3,7 +3,7 @@
 The float model is `amp` (or `fp32` where a run has no `amp`, as after `pipeline import`).
 Calibration uses training images only; every choice (--auto, the accuracy budget, layers kept
 float) is scored on held-out training images, never on the test split. Every variant is written
-atomically, reloaded from disk, checked against what it predicted before it was written, and
+atomically, reloaded from disk, compared with what it (or its source) predicted, and
 registered in the manifest with what it contains. With --auto, where no post-training
 configuration keeps within the accuracy budget, it goes on to quantization-aware training.
 """
