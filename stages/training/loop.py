@@ -8,9 +8,8 @@ What differs between the stages comes in as Hooks: train adds checkpoints, resum
 plan and --patience; qat its freezes of BatchNorm statistics and observers, its --tuning-time
 plan and its divergence check.
 
-The sums stay on the device and are read only at check points (every step on the CPU, where
-reading is free; every LOG_EVERY_CUDA steps on a GPU), so that a GPU is not made to wait for
-the host after each step.
+The sums stay on the device, read only at check points (every step on the CPU, where reading
+is free; every LOG_EVERY_CUDA steps on a GPU), so that a GPU does not wait for the host.
 """
 from __future__ import annotations
 
@@ -233,10 +232,9 @@ def train_step(parts: Parts, precision: Precision, device, grad_clip: float, ima
 
 @dataclass
 class Hooks:
-    """What the stage driving the loop adds to it. The loop calls them in this order each
-    epoch: start_epoch (the model just put in training mode), guard around the steps, check at
-    each read of the sums, checkpoint where --checkpoint-every falls inside the epoch, score
-    after the steps, end_epoch last."""
+    """What the stage driving the loop adds to it, called in this order each epoch: start_epoch
+    (the model just put in training mode), guard around the steps, check at each read of the
+    sums, checkpoint where --checkpoint-every falls in the epoch, score, end_epoch last."""
 
     # The model's hits on the validation images after an epoch (a bool tensor, one per image).
     score: Callable[[int], object]
@@ -255,8 +253,7 @@ class Hooks:
 @dataclass
 class Loop:
     """One model's training: its parts, and where it stands (position, running sums, totals,
-    history, the best epoch's weights), which is what a checkpoint saves and a resume
-    restores."""
+    history, the best epoch's weights): what a checkpoint saves and a resume restores."""
 
     name: str  # in progress bars: the variant, or qat
     parts: Parts
@@ -311,12 +308,9 @@ def fit(loop: Loop, hooks: Hooks) -> None:
     while loop.pos.epoch <= loop.planned_epochs and not loop.totals.stopped:
         epoch = loop.pos.epoch
         if loop.pos.step_in_epoch < steps_per_epoch:  # not resumed at its very end
-            started = time.perf_counter()
+            # Each adds to totals.wall before a checkpoint holds it (a resume keeps the pace).
             seen = _steps(loop, hooks, epoch)
-            loop.totals.wall += time.perf_counter() - started
-            started = time.perf_counter()
             _end_epoch(loop, hooks, epoch, seen)
-            loop.totals.wall += time.perf_counter() - started  # scoring, checkpoints
         loop.pos.epoch, loop.pos.step_in_epoch = epoch + 1, 0
     if loop.best is not None and choice.keep_best(loop.totals, loop.history, loop.best_hits,
                                                   loop.last_hits):
@@ -337,7 +331,7 @@ def _steps(loop: Loop, hooks: Hooks, epoch: int) -> Seen:
                    quiet=loop.quiet, total=steps_per_epoch)
     device_sums = DeviceSums(device, loop.in_a_row)
     epoch_start = pos.global_step - pos.step_in_epoch
-    started = time.perf_counter()
+    started = wall_from = time.perf_counter()
     with hooks.guard(epoch, data_iterator):
         for images, labels in bar:
             train_step(parts, loop.precision, device, loop.grad_clip, images, labels,
@@ -357,6 +351,8 @@ def _steps(loop: Loop, hooks: Hooks, epoch: int) -> Seen:
                                 acc=f"{shown.correct / shown.seen:.3f}", refresh=False)
             if checkpoint_now:  # a checkpoint holds host numbers: the device's sums go in first
                 _fold(loop, seen, started)
+                loop.totals.wall, wall_from = (loop.totals.wall + time.perf_counter() - wall_from,
+                                               time.perf_counter())
                 loop.sums = shown
                 device_sums = DeviceSums(device, device_sums.in_a_row)
                 hooks.checkpoint()
@@ -369,6 +365,7 @@ def _steps(loop: Loop, hooks: Hooks, epoch: int) -> Seen:
 
         torch.cuda.synchronize(device)
     _fold(loop, seen, started)
+    loop.totals.wall += time.perf_counter() - wall_from
     return seen
 
 
@@ -385,6 +382,7 @@ def _end_epoch(loop: Loop, hooks: Hooks, epoch: int, seen: Seen) -> None:
     """Score the validation split, keep the best weights, and record the epoch."""
     epoch_sums = _with(loop.sums, seen)
     loop.totals.samples += epoch_sums.seen
+    started = time.perf_counter()
     hits = hooks.score(epoch)
     val_acc = hit_share(hits)
     record = {"epoch": epoch, "loss": epoch_sums.loss / epoch_sums.seen,
@@ -397,4 +395,6 @@ def _end_epoch(loop: Loop, hooks: Hooks, epoch: int, seen: Seen) -> None:
     loop.last_hits = hits
     loop.history.append(record)
     loop.sums = EpochSums()
+    loop.totals.wall += (scored := time.perf_counter()) - started  # in plan and checkpoint
     hooks.end_epoch(epoch, record, improved)
+    loop.totals.wall += time.perf_counter() - scored  # the checkpoint: in the next one's

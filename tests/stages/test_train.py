@@ -273,6 +273,19 @@ def test_the_time_budget_holds_for_the_stage_the_range_test_included(tmp_path, m
     assert result.epochs_run == 1 and result.stopped.startswith("time: 1 epoch fit")
 
 
+def test_a_checkpoint_inside_an_epoch_holds_the_time_its_steps_took(tmp_path):
+    """A --time plan reads the pace from totals.wall: a checkpoint 10 steps into the first
+    epoch held 0 s (the epoch's time was added once it ended), so a run resumed from it planned
+    at a pace faster than it ran."""
+    run = artifacts.create_run(tmp_path, "paced")
+    train.run(TrainConfig(**TINY_TRAIN | {"epochs": 1, "baseline": False,
+                                          "checkpoint_every": 10, "keep_checkpoints": 5}), run)
+    state = loading.load_checkpoint(run.verified_path("amp/checkpoint-step0000010"))
+    totals = state["totals"]
+    assert state["position"]["step_in_epoch"] == 10
+    assert totals["wall"] >= totals["seconds"] > 0
+
+
 def test_what_a_model_takes_past_its_share_comes_off_the_next_models(monkeypatch):
     """--time 100s, 10 s spent before training: 45 s each. fp32 takes 60 s in all (its test
     scoring and memory probe come after its epochs' plan): amp gets the 30 s left."""
