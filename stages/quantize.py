@@ -172,7 +172,7 @@ def escalate_to_qat(run: Run, made: list[str], budget_points: float, qat_config,
         return []
     try:
         return qat.run(qat_config, run)
-    except Diverged as exc:
+    except (Diverged, NotMade) as exc:  # the post-training variants still stand
         say(f"--auto: quantization-aware training made nothing: {exc}", quiet=quiet)
         run.record_config("quantize", run.recorded_config("quantize") | {
             "auto_qat": f"made nothing: {exc}"})
@@ -194,9 +194,11 @@ def post_training_verdict(run: Run, names: list[str], budget_points: float) -> t
     # for), and the float variants scored the same way (openvino-bf16, amp-compiled) had met
     # the budget for every bf16 CPU, so --auto never went on to QAT there.
     for name in (n for n in names if n in STATIC_INT8):
-        if name not in run.artifacts():  # searched, and nothing kept: its closest
-            closest = run.recorded_config("quantize").get("not_kept", {}).get(name)
-            if closest is not None:
+        if name not in run.artifacts():  # searched, and nothing kept within the budget
+            why = run.recorded_config("quantize").get("not_kept", {}).get(name)
+            # One not made at all (its converter or runtime failed) says nothing of accuracy,
+            # and QAT, made through the same converters, would not rescue it.
+            if why is not None and not why.startswith("not made:"):
                 drops[name] = float("inf")
             continue
         quantization = run.entry(name).get("quantization") or {}

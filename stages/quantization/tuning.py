@@ -308,7 +308,6 @@ def tune(backend: Backend, candidates: list[dict], reference: dict, budget_point
             record["closest"] = found.summary()
     elif chosen is None:  # the candidates used the time: the fallback was never tried
         why += "; --tuning-time spent before layers could be kept in float"
-        record["closest"] = min(trials, key=lambda t: t.worst_drop_points).summary()
     record["chosen"] = chosen.summary() if chosen is not None else None
     record["why"] = why
     return chosen, record

@@ -7,7 +7,7 @@ import onnx
 import pytest
 import torch
 
-from pipeline.config import QuantizeConfig, ReportConfig, TrainConfig
+from pipeline.config import QatConfig, QuantizeConfig, ReportConfig, TrainConfig
 from stages import quantize, runtimes, train
 from stages.data.datasets import load_splits
 from stages.measure import machine
@@ -459,6 +459,25 @@ def test_a_converter_that_cannot_take_the_model_costs_its_variants_not_the_stage
     assert not_kept["ort-static"] == ("not made: it is made from onnx-fp32, which could not be "
                                       "made")
     assert not {"onnx-fp32", "ort-static"} & set(fresh_tiny_run.artifacts())
+
+
+def test_auto_does_not_take_a_variant_its_converter_refused_for_an_accuracy_failure(
+        fresh_tiny_run, monkeypatch):
+    """torch.export refusing the model is no accuracy failure, and QAT starts from the same
+    export: --auto says there is nothing to rescue rather than failing in QAT's export."""
+    from stages.run.errors import NotMade
+    from stages.runtimes import pt2e
+
+    def refuses(*_, **__):
+        raise NotMade("torch.export of smallcnn failed: a test's refusal")
+
+    monkeypatch.setattr(pt2e, "export_graph", refuses)
+    made = quantize.run(QuantizeConfig(methods="torch-static", auto=True, calibration_samples=64,
+                                       quiet=True), fresh_tiny_run,
+                        qat_config=QatConfig(epochs=1, quiet=True))
+    assert made == ["torch-static"] and "torch-static" not in fresh_tiny_run.artifacts()
+    assert fresh_tiny_run.recorded_config("quantize")["auto_verdict"] == (
+        "no static int8 variant was made, so there is nothing for QAT to rescue")
 
 
 def test_a_variant_refused_by_its_deferred_check_leaves_the_rest_made(fresh_tiny_run,
