@@ -139,7 +139,8 @@ def check_gates(config, v: dict, folder) -> None:
     best_float = v["per_batch_size"][str(v["batch_size"])]["best_float"]
     gates = (("--fail-under-speedup", config.fail_under_speedup, v["speedup"], v["reference"]),
              ("--fail-under-float-speedup", config.fail_under_float_speedup,
-              v["speedup_vs_best_float"], f"the fastest float variant, {best_float},"))
+              v["speedup_vs_best_float"], f"the fastest float variant within the accuracy "
+              f"budget, {best_float},"))
     for flag, gate, ratio, against in gates:
         if gate and ratio < gate:
             raise PipelineError(f"the recommended variant {v['recommended']} is {ratio:.2f}x as "

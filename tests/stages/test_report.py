@@ -634,6 +634,25 @@ class _Vectors:
         return (batch_size, 64)
 
 
+def test_the_timing_narrows_against_the_floats_a_user_could_serve(monkeypatch):
+    """Speed-ups are credited against the fastest float within the accuracy budget, so the
+    timing's stopping rule narrows against those floats (openvino-bf16 beyond it left out);
+    where none is on the device, against them all."""
+    asked = []
+
+    def narrow_enough(names, target):
+        asked.append(set(names))
+        return lambda timings: True
+
+    monkeypatch.setattr(timing, "narrow_enough", narrow_enough)
+    loaded = {name: _Matmul(64) for name in ("fp32", "onnx-fp32", "openvino-bf16",
+                                            "openvino-int8")}
+    config = ReportConfig(batch_sizes=(4,), warmup=1, rounds=3, max_rounds=3, quiet=True)
+    measuring.time_variants(loaded, _Vectors(), config, 1, floats_within={"fp32", "onnx-fp32"})
+    measuring.time_variants(loaded, _Vectors(), config, 1, floats_within=set())
+    assert asked == [{"fp32", "onnx-fp32"}, {"fp32", "onnx-fp32", "openvino-bf16"}]
+
+
 def test_a_report_timed_beside_a_busy_core_says_so(monkeypatch):
     """A real process keeps one core busy while the report's timing runs with as many threads
     as this process has CPUs: the batch size is timed again, still busy, and the verdict, the

@@ -207,15 +207,17 @@ def test_a_variant_timed_while_its_process_never_went_idle_is_not_clean():
     spinning.idle_waits = [0.001, timing.IDLE_MAX_WAIT + 0.001]
     quiet = _steady(4.0)
     quiet.idle_waits = [0.001, 0.002]
-    watch = contention.Watch(threads=2, meter=box.meter(), retries=0)
+    # Not timed again: a quieter machine would not change this process's own threads.
+    watch = contention.Watch(threads=2, meter=box.meter(), retries=2)
     watch.time("cpu", 32, _session(box, results=[{"fp32": quiet, "onnx-fp32": spinning}]))
     record = watch.record()
     [session] = record["sessions"]
     assert session["never_idle"] == ["onnx-fp32"] and not session["clean"]
+    assert session["tries"] == 1
     assert contention.warnings(record) == [
         "`onnx-fp32` at batch 32 on the CPU was timed while other threads of this process still "
         "used the CPU (the wait for them gave up). These latencies and speed-ups are not clean "
-        "figures: run 'pipeline report' again on a quiet machine."]
+        "figures: they may include that work."]
 
 
 def test_variants_run_with_a_thread_per_cpu_the_process_may_use():
