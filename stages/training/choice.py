@@ -16,12 +16,17 @@ from __future__ import annotations
 from stages.measure.stats import paired_difference_interval
 
 
-def keep_best(totals, history: list[dict], best_hits, last_hits) -> bool:
+def keep_best(totals, history: list[dict], best_hits, last_hits, have_best: bool = True) -> bool:
     """Set totals.chosen_epoch and totals.chosen (why, in words) from the best epoch's and the
     last epoch's hits on the validation images; True where the best epoch's weights are to be
-    loaded, False where the model keeps the last epoch's."""
+    loaded, False where the model keeps the last epoch's (as where ``have_best`` is False: a
+    resume found no best file of the epoch its checkpoint names)."""
     best = totals.best_epoch
     last = history[-1]["epoch"] if history else best
+    if not have_best:
+        totals.chosen_epoch = last
+        totals.chosen = f"epoch {last}, the last: the best epoch's weights did not survive a resume"
+        return False
     if best == last or best_hits is None or last_hits is None:
         # Checkpoints written before the hits were kept hold no last epoch's hits.
         totals.chosen_epoch = best

@@ -312,8 +312,8 @@ def fit(loop: Loop, hooks: Hooks) -> None:
             seen = _steps(loop, hooks, epoch)
             _end_epoch(loop, hooks, epoch, seen)
         loop.pos.epoch, loop.pos.step_in_epoch = epoch + 1, 0
-    if loop.best is not None and choice.keep_best(loop.totals, loop.history, loop.best_hits,
-                                                  loop.last_hits):
+    if choice.keep_best(loop.totals, loop.history, loop.best_hits, loop.last_hits,
+                        have_best=loop.best is not None):
         loop.parts.model.load_state_dict(loop.best)
 
 

@@ -92,9 +92,9 @@ LEAST_FALL = 0.05  # the loss must fall by this share of its start for a choice 
 class TooLong(PipelineError):
     """Under --time, a range test whose pace says it would take more than its share."""
 
-    def __init__(self, seconds: float, steps: int, share: float):
+    def __init__(self, seconds: float, steps: int, allowed: float):
         super().__init__(f"a range test of {steps} steps would take about {seconds:.0f} s, "
-                         f"over a tenth of --time ({share:.0f} s)")
+                         f"over the {max(allowed, 0.0):.0f} s left of its tenth of --time")
 
 
 class NeverFell(PipelineError):
@@ -130,6 +130,7 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> tuple[float,
     say(f"--lr auto: a learning-rate range test of up to {MAX_STEPS} steps ({START_LR:g} to "
         f"{END_LR:g}) ...", quiet=config.quiet)
     share = TIME_SHARE * config.time if config.time else None
+    started = time.perf_counter()
     try:
         curve = range_test(config, splits, precision, device, seconds=share)
     except TooLong as exc:
@@ -142,11 +143,15 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> tuple[float,
                                         f"more than twice the training's {planned} steps")
         say(f"--lr auto: the first test chose no learning rate ({exc.detail}); trying again "
             f"over {LONG_STEPS} steps, each learning rate held longer ...", quiet=config.quiet)
+        left = share - (time.perf_counter() - started) if share is not None else None
         try:
-            curve = range_test(config, splits, precision, device, LONG_STEPS, seconds=share)
+            curve = range_test(config, splits, precision, device, LONG_STEPS, seconds=left)
         except TooLong as slow:
             return _rule_after_one_test(config, splits, batch, exc, str(slow))
         except NeverFell as again:
+            if share is not None:  # the probes train 450 steps a rate: past the test's share
+                return _rule_after_one_test(config, splits, batch, again, "under --time no "
+                                            "rates are probed")
             return probed_rate(config, splits, precision, device, again)
     world = distributed.current()
     curve["ceiling"] = CEILING_PER_256 * batch / 256
@@ -216,7 +221,7 @@ def range_test(config, splits, precision, device, steps: int = MAX_STEPS,
         elif len(lrs) == PACE_STEPS and seconds is not None:
             projected = (time.perf_counter() - paced) / (PACE_STEPS - 1) * steps
             if distributed.broadcast(projected > seconds):
-                raise TooLong(projected, steps, seconds / TIME_SHARE)
+                raise TooLong(projected, steps, seconds)
         lr = parts.optimizer.param_groups[0]["lr"]
         sums = DeviceSums(device)
         train_step(parts, precision, device, probe.grad_clip, images, labels, sums, len(lrs))

@@ -501,11 +501,37 @@ def test_under_time_a_range_test_too_slow_for_its_share_gives_way_to_the_rule(tm
     lr, why = lr_range.peak_lr(config, splits, FP32, torch.device("cpu"), run, {})
     assert lr == pytest.approx(0.025) and "lr-range" not in run.artifacts()
     assert why == ("linear-scaling rule (0.1 per 256 images a step; a range test of 150 steps "
-                   "would take about 300 s, over a tenth of --time (60 s))")
+                   "would take about 300 s, over the 6 s left of its tenth of --time)")
     assert _lr_sentence({"learning_rate": {"value": lr, "found_by": why}}) == (
         " Peak learning rate 0.025, by Goyal et al.'s linear-scaling rule (0.1 per 256 images a "
-        "step): a range test of 150 steps would take about 300 s, over a tenth of --time "
-        "(60 s).")
+        "step): a range test of 150 steps would take about 300 s, over the 6 s left of its "
+        "tenth of --time.")
+
+
+def test_under_time_two_unreadable_tests_share_one_tenth_and_no_rates_are_probed(monkeypatch):
+    """--time 60s: the second test gets what the first left of the 6 s share, and where it
+    cannot be read either the rule stands (the probes train 450 steps a rate, past any share),
+    once the pixels show the labels belong to the images."""
+    from stages.training import lr_range
+
+    allowed = []
+
+    def unreadable(config, splits, precision, device, steps=lr_range.MAX_STEPS, seconds=None):
+        allowed.append(seconds)
+        raise lr_range.NeverFell([1e-3, 1.0], "the smoothed loss went from 2.3 to 2.29")
+
+    def never(*args):
+        raise AssertionError("rates probed under --time")
+
+    monkeypatch.setattr(lr_range, "range_test", unreadable)
+    monkeypatch.setattr(lr_range, "probed_rate", never)
+    monkeypatch.setattr(lr_range, "pixels_predict_labels",
+                        lambda splits, seed: ("the pixels scored 90.0%", True))
+    config = TrainConfig(**TINY_TRAIN | {"lr": "auto", "time": "60s"})
+    lr, why = lr_range.peak_lr(config, None, FP32, None, None, {})
+    assert lr == pytest.approx(0.025) and allowed[0] == 6.0 and 0 < allowed[1] <= 6.0
+    assert why.endswith("(the smoothed loss went from 2.3 to 2.29), and under --time no rates "
+                        "are probed; the pixels scored 90.0%)")
 
 
 def test_a_second_range_test_longer_than_the_training_gives_way_to_the_rule(tmp_path,

@@ -34,3 +34,16 @@ def test_a_stop_inside_an_improved_epochs_save_leaves_the_best_and_resume_skips_
     assert run.entry("amp/checkpoint-best")["epoch"] == 2
     assert best_weights(run, "amp", best_epoch=1) is None
     assert torch.equal(best_weights(run, "amp", best_epoch=2)["w"], torch.full((2,), 2.0))
+
+
+def test_a_resume_without_its_best_keeps_the_last_epoch_and_says_why():
+    """Where best_weights gave nothing back (the file held another epoch), the model keeps
+    its last epoch, recorded as such: it had been recorded as epoch 0 with no reason."""
+    from stages.training import choice
+    from stages.training.loop import Totals
+
+    totals = Totals(best_epoch=2)
+    history = [{"epoch": 1}, {"epoch": 2}, {"epoch": 3}]
+    assert choice.keep_best(totals, history, None, None, have_best=False) is False
+    assert (totals.chosen_epoch, totals.chosen) == (
+        3, "epoch 3, the last: the best epoch's weights did not survive a resume")
