@@ -589,8 +589,10 @@ def test_with_no_range_test_readable_a_learner_trains_and_shuffled_labels_are_re
         raise lr_range.NeverFell([1e-3, 1.0], "the smoothed loss went from 2.3 to 2.25")
 
     monkeypatch.setattr(lr_range, "range_test", unreadable)
-    config = TrainConfig(**TINY_TRAIN | {"lr": "auto", "baseline": False, "time": "60s",
-                                         "precision": "fp32"})  # --time: the tests run
+    # 12 epochs of 21 steps: training's 252 steps outnumber half the second test's 450, so the
+    # tests run and the rates are probed (under --time they would not be).
+    config = TrainConfig(**TINY_TRAIN | {"lr": "auto", "baseline": False, "epochs": 12,
+                                         "precision": "fp32"})
     run = artifacts.create_run(tmp_path, "learns")
     train.run(config, run)
     recorded = run.recorded_config("train")
