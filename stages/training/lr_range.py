@@ -170,10 +170,10 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> tuple[float,
 
 
 def _rule_after_one_test(config, splits, batch: int, never: NeverFell, too_long: str):
-    """(the linear-scaling rule's rate, why) where the first test could not be read and a
-    second would take too long (``too_long``: more than twice the training's steps, or more
-    than its share of --time), once the pixels show the labels belong to the images (the
-    probes that check it elsewhere would outrun training too)."""
+    """(the linear-scaling rule's rate, why) where ``never``'s test could not be read and
+    going on would take too long (``too_long``: a second test of more than twice the training's
+    steps or past its share of --time, or the probes under --time), once the pixels show the
+    labels belong to the images (the probes that check it elsewhere would take too long)."""
     pixels, learnable = distributed.broadcast(pixels_predict_labels(splits, config.seed))
     if not learnable:
         raise NothingLearned(f"--lr auto: nothing was learned: the training loss never fell in "
