@@ -62,11 +62,17 @@ def best_weights(run: Run, variant: str, best_epoch: int) -> dict | None:
     """The weights of the best checkpoint (chosen on validation), for a run resumed from a
     checkpoint whose best epoch is ``best_epoch``. None where the file holds another epoch: a
     stop between the best's write and its checkpoint's leaves the best one epoch ahead, and
-    that epoch is trained again."""
+    that epoch is trained again; and where the file is not the one the manifest lists (a stop
+    between its rename and the manifest's write), which would otherwise refuse every resume."""
     name = f"{variant}/checkpoint-best"
     if name not in run.artifacts():
         return None
-    best = load_checkpoint(run.verified_path(name))
+    try:
+        path = run.verified_path(name)
+    except PipelineError as exc:
+        say(f"resume: the best epoch's weights are not kept ({exc})")
+        return None
+    best = load_checkpoint(path)
     return best["model"] if best["position"]["epoch"] == best_epoch else None
 
 

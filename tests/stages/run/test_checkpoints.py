@@ -47,3 +47,20 @@ def test_a_resume_without_its_best_keeps_the_last_epoch_and_says_why():
     assert choice.keep_best(totals, history, None, None, have_best=False) is False
     assert (totals.chosen_epoch, totals.chosen) == (
         3, "epoch 3, the last: the best epoch's weights did not survive a resume")
+
+
+def test_a_stop_between_the_bests_rename_and_its_manifest_entry_still_resumes(tmp_path,
+                                                                               monkeypatch):
+    """The best file is replaced under one name, then registered: a stop between the two left
+    a file that did not match its sha256, and every later resume was refused."""
+    run = artifacts.create_run(tmp_path, "best")
+    saver = Checkpointer(run, "amp", run.root / "train" / "amp", keep=2, config_dict={})
+    saver.save(_state(1), best=True)
+
+    def stopped_before_the_manifest(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "register", stopped_before_the_manifest)
+    with pytest.raises(KeyboardInterrupt):
+        saver.save(_state(2), best=True)
+    assert best_weights(run, "amp", best_epoch=1) is None
