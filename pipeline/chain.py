@@ -43,9 +43,15 @@ def run_chain(processors: list[Processor], artifacts_dir: Path, run_name: str | 
                                (artifacts_dir, run_name) if resume else None)
     world = distributed.setup(device)  # a single process unless torchrun started us
     try:
-        for _, process in processors:
-            getattr(process, "check", lambda artifacts_dir: None)(Path(artifacts_dir))
+        # What a stage can check before any runs (report's --compare), against the folder
+        # the run is in: --run may name a run folder's path elsewhere. A run the chain makes
+        # is made after the checks, so that a refused chain leaves none behind.
+        creates = processors[0][0] in CREATES_A_RUN and not resume
+        if creates:
+            _check(processors, Path(artifacts_dir))
         run = _the_run(processors, artifacts_dir, run_name, resume, world)
+        if not creates:
+            _check(processors, run.artifacts_dir)
         stages = " ".join(stage for stage, _ in processors)
         reads_only = all(stage in READS_ONLY for stage, _ in processors)
         with (lock.hold_run(run, stages) if world.is_main and not reads_only
@@ -61,6 +67,11 @@ def run_chain(processors: list[Processor], artifacts_dir: Path, run_name: str | 
                     click.echo(f"{stage}: done in {_duration(seconds)}", err=True)
     finally:
         distributed.teardown()
+
+
+def _check(processors: list[Processor], artifacts_dir: Path) -> None:
+    for _, process in processors:
+        getattr(process, "check", lambda artifacts_dir: None)(artifacts_dir)
 
 
 def _the_run(processors: list[Processor], artifacts_dir: Path, run_name: str | None,
@@ -124,20 +135,21 @@ def _run_stage(run, stage: str, process: Callable, writes: bool) -> float:
     left the stage `running`."""
     import time
 
-    started = time.perf_counter()
+    started, complete = time.perf_counter(), False
     try:
         if writes:  # inside the try: a signal held back during this write is delivered here
             with _status_write():
                 run.mark_stage(stage, "running")
         process(run)
+        seconds = time.perf_counter() - started
+        if writes:  # inside too: a full disk here had left the stage `running`
+            with _status_write():
+                run.mark_stage(stage, "complete", seconds=round(seconds, 1))
+                complete = True
     except BaseException as exc:
-        if writes:
+        if writes and not complete:
             _mark_failed(run, stage, exc)
         raise
-    seconds = time.perf_counter() - started
-    if writes:
-        with _status_write():
-            run.mark_stage(stage, "complete", seconds=round(seconds, 1))
     return seconds
 
 

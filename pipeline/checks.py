@@ -86,6 +86,15 @@ def at_least(flag: str, value: float, low: float) -> None:
         raise ValueError(f"{flag} must be at least {low}, got {value}")
 
 
+# Seeds numpy's and torch's generators take whole: the sampler's seed * 100003 + epoch with them.
+MAX_SEED = 2 ** 32 - 1
+
+
+def seed_field(config) -> None:
+    if isinstance(config.seed, int) and not 0 <= config.seed <= MAX_SEED:
+        raise ValueError(f"--seed must be from 0 to {MAX_SEED}, got {config.seed}")
+
+
 def greater_than(flag: str, value: float, low: float) -> None:
     if not value > low:  # also refuses NaN
         raise ValueError(f"{flag} must be greater than {low}, got {value}")
@@ -115,7 +124,7 @@ def duration_field(config, field: str = "tuning_time") -> None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return  # check_types names the type
-    if not value > 0:
+    if not value > 0 or value == math.inf:  # inf from a config file (time = inf)
         raise ValueError(f"{flag} must be a positive duration, got {value}")
 
 
@@ -139,3 +148,32 @@ def parse_int_list(flag: str, text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise ValueError(f"{flag} takes whole numbers separated by commas, got {text!r}") from None
+
+
+def no_choices_under_auto(config) -> None:
+    """--auto searches ort-static's calibration, weight scales, types and format itself: one of
+    them given beside it had been dropped without a word (a QOperator asked for came out QDQ)."""
+    given = [flag for flag, value, default in (
+        ("--calibration-method", config.calibration_method, None),
+        ("--per-channel/--per-tensor", config.per_channel, None),
+        ("--ort-types", config.ort_types, "u8s8"), ("--ort-format", config.ort_format, "qdq"))
+        if value != default]
+    if given:
+        raise ValueError(f"--auto chooses ort-static's {', '.join(given)} itself; drop "
+                         f"{'it' if len(given) == 1 else 'them'} or drop --auto")
+
+
+def check_compare_runs(config, artifacts_dir: Path) -> None:
+    """--compare names runs of artifacts_dir that have a report: checked before any stage of
+    the chain starts, not after the report has measured everything."""
+    from stages.run.artifacts import list_runs, open_run
+
+    known = list_runs(artifacts_dir)
+    missing = [name for name in config.compare or () if name not in known]
+    if missing:
+        raise ValueError(f"--compare: no run {', '.join(map(repr, missing))} in {artifacts_dir}; "
+                         f"existing runs: {', '.join(known) or 'none'}")
+    for name in config.compare or ():
+        if "report/report.json" not in open_run(artifacts_dir, name).artifacts():
+            raise ValueError(f"--compare: run {name!r} has no report yet; run 'pipeline --run "
+                             f"{name} report' first")

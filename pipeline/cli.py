@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from pipeline import chain
+from pipeline import chain, checks
 from pipeline import config as cfg
 from pipeline.chain import Processor
 from pipeline.click_support import (
@@ -43,11 +43,11 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 @click.option("--device", type=click.Choice(cfg.DEVICES), default="auto", show_default=True,
               help="Where to train; the report measures every variant on the CPU and, where "
                    "there is a CUDA device (unless cpu), the float models on the GPU too.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--seed", type=click.IntRange(0, checks.MAX_SEED), default=0, show_default=True,
               help="Seeds initial weights, data order, splits and calibration samples.")
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False,
               path_type=Path), help="TOML file with a table per stage: [train], [import], "
-              "[qat], [quantize], [report].")
+              "[qat], [quantize], [report], [predict], [export].")
 @click.option("--quiet", is_flag=True, help="No progress bars or per-epoch lines.")
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 @click.pass_context
@@ -113,8 +113,11 @@ def train(ctx: click.Context, resume: bool, **flags) -> Processor:
 
     def process(run) -> None:
         from stages import train as train_stage
+        from stages.training import distributed
 
         train_stage.run(config, run, resume=resume)
+        if not distributed.current().is_main:  # the paths once, from the rank that wrote them
+            return
         for name in ("fp32", "amp"):
             if name in run.artifacts():
                 click.echo(f"{name}: {run.root / run.entry(name)['path']}")
@@ -206,7 +209,7 @@ def report(ctx: click.Context, **flags) -> Processor:
             click.echo(f"compare: {run.root / 'report' / 'compare.md'}")
         click.echo(f"report: {run.root / 'report' / 'report.md'}")
 
-    process.check = lambda artifacts_dir: as_usage_error(cfg.check_compare_runs, config,
+    process.check = lambda artifacts_dir: as_usage_error(checks.check_compare_runs, config,
                                                          artifacts_dir)
     return "report", process
 

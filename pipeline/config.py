@@ -5,9 +5,9 @@ Precedence: dataclass defaults < config file < command line. No torch here, so t
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pipeline.checks import (
@@ -18,7 +18,9 @@ from pipeline.checks import (
     expanded,
     greater_than,
     learning_rate,
+    no_choices_under_auto,
     parse_int_list,
+    seed_field,
 )
 from stages.data.datasets import DATASETS, SHAPES
 from stages.runtimes import VARIANTS, made_by_quantize
@@ -39,7 +41,9 @@ EQUALIZED_METHODS = ("torch-static", "ort-static")
 def _check_data_flags(config) -> None:
     """The flags train and import share: the data, its split and size, and the model's name."""
     choice("--dataset", config.dataset, DATASET_NAMES)
-    expanded("--data-dir", config.data_dir)
+    data_dir = expanded("--data-dir", config.data_dir)
+    if config.dataset != "digits":  # (which reads no folder) in full, as the run records it:
+        config.data_dir = os.path.abspath(data_dir)  # later stages may run from elsewhere
     if not 0.0 < config.val_fraction < 1.0:
         raise ValueError(f"--val-fraction must be between 0 and 1, got {config.val_fraction}")
     if config.in_channels is not None:
@@ -99,6 +103,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         duration_field(self, "time")  # '10m' as seconds, before the types are checked
         check_types(self)
+        seed_field(self)
         if self.epochs is None:
             self.epochs = DEFAULT_EPOCHS if self.time is None else EPOCHS_UNDER_TIME
         _check_data_flags(self)
@@ -106,6 +111,8 @@ class TrainConfig:
             raise ValueError("--init-weights and --weights both name starting weights; give one")
         if self.init_weights and not expanded("--init-weights", self.init_weights).is_file():
             raise ValueError(f"--init-weights {self.init_weights!r} is not a file")
+        if self.init_weights:  # in full: a resume starts a model with none afresh from it
+            self.init_weights = os.path.abspath(expanded("--init-weights", self.init_weights))
         at_least("--workers", self.workers, 0)
         greater_than("--loader-timeout", self.loader_timeout, 0)
         at_least("--checkpoint-every", self.checkpoint_every, 0)
@@ -146,6 +153,7 @@ class ImportConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
+        seed_field(self)
         if not self.weights:
             raise ValueError("--weights is required: the file (or torchvision weights name) to "
                              "import")
@@ -182,6 +190,7 @@ class QatConfig:
     def __post_init__(self) -> None:
         duration_field(self)
         check_types(self)
+        seed_field(self)
         at_least("--epochs", self.epochs, 1)
         greater_than("--lr", self.lr, 0)
         at_least("--batch-size", self.batch_size, 1)
@@ -218,6 +227,7 @@ class QuantizeConfig:
     def __post_init__(self) -> None:
         duration_field(self)
         check_types(self)
+        seed_field(self)
         # A config file may give a list (["all"], or names in any order): parsed as a comma
         # list is, into the order variants are made.
         self.methods = parse_methods(self.methods if isinstance(self.methods, str)
@@ -232,6 +242,8 @@ class QuantizeConfig:
         choice("--ort-types", self.ort_types, ORT_TYPES)
         choice("--ort-format", self.ort_format, ORT_FORMATS)
         at_least("--max-accuracy-drop", self.max_accuracy_drop, 0.0)
+        if self.auto:
+            no_choices_under_auto(self)
         if self.equalize and not set(self.methods) & set(EQUALIZED_METHODS):
             raise ValueError(
                 f"--equalize applies to {' and '.join(EQUALIZED_METHODS)} only, and --methods "
@@ -307,22 +319,6 @@ class ReportConfig:
         at_least("--max-accuracy-drop", self.max_accuracy_drop, 0.0)
         at_least("--fail-under-speedup", self.fail_under_speedup, 0.0)
         at_least("--fail-under-float-speedup", self.fail_under_float_speedup, 0.0)
-
-
-def check_compare_runs(config: ReportConfig, artifacts_dir: Path) -> None:
-    """--compare names runs of artifacts_dir that have a report: checked before any stage of
-    the chain starts, not after the report has measured everything."""
-    from stages.run.artifacts import list_runs, open_run
-
-    known = list_runs(artifacts_dir)
-    missing = [name for name in config.compare or () if name not in known]
-    if missing:
-        raise ValueError(f"--compare: no run {', '.join(map(repr, missing))} in {artifacts_dir}; "
-                         f"existing runs: {', '.join(known) or 'none'}")
-    for name in config.compare or ():
-        if "report/report.json" not in open_run(artifacts_dir, name).artifacts():
-            raise ValueError(f"--compare: run {name!r} has no report yet; run 'pipeline --run "
-                             f"{name} report' first")
 
 
 @dataclass

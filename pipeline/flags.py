@@ -49,9 +49,11 @@ TRAIN = DATA | {
                      metavar="EPOCHS"),
     "batch_size": Flag("Images a step."),
     "lr": Flag("Peak learning rate of SGD (cosine, warm-up); auto: found by a learning-rate "
-               "range test (150 steps, then 450 where the loss did not fall; the linear-scaling "
-               "rule where the test would outrun training, or where neither test could be read "
-               "and 450 steps at it beat guessing on validation).", metavar="LR|auto"),
+               "range test (150 steps, then 450 where the loss did not fall; under --time at "
+               "most a tenth of it). Where a test would outrun training or its share, the "
+               "linear-scaling rule; where neither can be read, the best on validation of the "
+               "rule and its quarters, 450 steps each (under --time, the rule).",
+               metavar="LR|auto"),
     "weight_decay": Flag("On weights, not on BatchNorm or biases."),
     "label_smoothing": Flag("Of the cross-entropy targets."),
     "grad_clip": Flag("Max gradient norm, 0 for none (clips after unscaling)."),
@@ -73,7 +75,7 @@ TRAIN = DATA | {
     "max_skipped_steps": Flag("Stop when GradScaler skips more steps than this in a row."),
     "deterministic": Flag("torch.use_deterministic_algorithms, for bit-identical resumes."),
     "measure_memory": Flag("Measure each model's training memory in a fresh process (a few "
-                           "seconds each)."),
+                           "seconds each; CUDA: the allocator's peak instead)."),
 }
 
 IMPORT = DATA | {
@@ -107,8 +109,8 @@ QUANTIZE = {
                                "--auto finds", choices=cfg.CALIBRATION_METHODS),
     "per_channel": Flag("ONNX Runtime static weight scales (torch-static's are per-channel).",
                         off="per-tensor", default="per-tensor, or what --auto finds"),
-    "ort_types": Flag("ORT activation/weight types.", choices=cfg.ORT_TYPES),
-    "ort_format": Flag("ORT static graph format; QOperator only on request.",
+    "ort_types": Flag("ORT activation/weight types (--auto chooses).", choices=cfg.ORT_TYPES),
+    "ort_format": Flag("ORT static graph format; QOperator only on request (not with --auto).",
                        choices=cfg.ORT_FORMATS),
     "equalize": Flag("Cross-layer equalization of the float model before torch-static and "
                      "ort-static (outputs unchanged; evens per-channel weight ranges).",

@@ -83,7 +83,8 @@ class _Worker:
         request, self.requests = context.Pipe(duplex=False)
         # Not a daemon: a daemonic process may not start processes of its own (Inductor's
         # compile workers may); stop() ends it, at this process's exit too.
-        self.process = context.Process(target=_serve, args=(request, answer, self.buffer))
+        self.process = context.Process(target=_serve, args=(request, answer, self.buffer,
+                                                            os.getpid()))
         with _environment(dict(key[0])):
             self.process.start()
         request.close()
@@ -195,9 +196,10 @@ def _environment(wanted: dict[str, str]):
     return swapped()
 
 
-def _serve(requests, answers, buffer) -> None:
+def _serve(requests, answers, buffer, parent: int) -> None:
     """The child's loop: each request's (ok, value) sent back, until the parent says stop or
     goes."""
+    _end_with(parent)
     while True:
         try:
             request = requests.recv()
@@ -212,6 +214,24 @@ def _serve(requests, answers, buffer) -> None:
         except Exception as exc:  # an exception (or result) that cannot be pickled
             answers.send((False, RuntimeError(f"{type(result[1]).__name__}: {result[1]}"
                                               if not result[0] else f"unpicklable result: {exc}")))
+
+
+def _end_with(parent: int) -> None:
+    """Have the kernel kill this child when ``parent`` ends, a SIGKILL included (Linux's
+    PR_SET_PDEATHSIG): the child holds no lock on the run, and left running after its parent
+    was killed it went on writing the run's manifest beside the next process to take the lock.
+    Elsewhere the child still ends at its next answer, on the closed pipe."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the request above was made
+        os._exit(1)
 
 
 def _result(target: str, buffer, args: tuple) -> tuple[bool, Any]:

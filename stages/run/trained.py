@@ -66,4 +66,8 @@ def resumed_config(config, run, world_size: int):
                          f"process(es), and --resume here runs {world_size}: resume it with as "
                          "many (torchrun --nproc_per_node)")
     kept = {f.name for f in fields(config)} - {"quiet", "device"}
-    return replace(config, **{k: v for k, v in saved.items() if k in kept})
+    try:
+        return replace(config, **{k: v for k, v in saved.items() if k in kept})
+    except ValueError as exc:  # a flag --resume refuses: the fault is in what was saved
+        raise UsageError(f"run {run.name!r} cannot resume as it was started: {exc}; put it "
+                         "back as it was, or train again") from None

@@ -49,6 +49,11 @@ def invoke(*args):
     (["quantize", "--methods", "openvino-int8,ort-dynamic", "--equalize"],
      "--equalize applies to torch-static and ort-static only, and --methods "
      "ort-dynamic,openvino-int8 has neither; add one of them or drop --equalize"),
+    (["quantize", "--auto", "--ort-format", "qoperator"],
+     "--auto chooses ort-static's --ort-format itself; drop it or drop --auto"),
+    (["quantize", "--auto", "--per-channel", "--calibration-method", "entropy"],
+     "--auto chooses ort-static's --calibration-method, --per-channel/--per-tensor itself; drop "
+     "them or drop --auto"),
     (["predict", "/nonexistent/photo.png"], "/nonexistent/photo.png does not exist"),
     (["export", "--variant", "fp32"], "Missing argument 'OUT_DIR'"),
     (["train", "--dataset", "cifar10", "--in-channels", "1"],
@@ -246,6 +251,19 @@ def test_a_compare_run_that_does_not_exist_is_refused_before_the_report_starts(t
     assert result.exit_code == 2
     assert f"--compare: no run 'nope' in {tmp_path}; existing runs: mine" in result.stderr
     assert "report" not in run.manifest().get("stages", {})  # not marked failed: it never ran
+
+
+def test_compare_looks_for_its_runs_beside_a_run_given_by_its_path(tmp_path):
+    """The report opens compared runs beside its own; the check before the chain looked in
+    --artifacts-dir instead, and refused a run that was there (or passed one that was not)."""
+    from stages.run import artifacts
+
+    mine = artifacts.create_run(tmp_path / "elsewhere", "mine")
+    artifacts.create_run(tmp_path / "elsewhere", "theirs")
+    result = invoke("--artifacts-dir", str(tmp_path / "default"), "--run", str(mine.root),
+                    "report", "--compare", "theirs")
+    assert result.exit_code == 2
+    assert "--compare: run 'theirs' has no report yet" in result.stderr, result.stderr
 
 
 def test_python_dash_m_pipeline_is_the_command_too():

@@ -118,6 +118,8 @@ def test_torchrun_two_cpu_ranks(tmp_path):
     assert "torch-qat" in run.artifacts()
     assert proc.stdout.count("report: ") == 1
     assert proc.stdout.count("torch-qat: ") == 1
+    printed = [line.split(":")[0] for line in proc.stdout.splitlines()]
+    assert (printed.count("fp32"), printed.count("amp")) == (1, 1)  # train's, from rank 0 alone
     for name in run.artifacts():  # the run folder is complete and every file is the listed one
         run.verified_path(name)
     assert run.manifest()["stages"]["report"]["status"] == "complete"

@@ -219,6 +219,26 @@ def test_a_duration_that_is_not_one_is_refused_naming_its_flag(text, config_clas
         config_class(tuning_time=-5)
 
 
+@pytest.mark.parametrize("config_class", [cfg.QuantizeConfig, cfg.QatConfig])
+def test_an_infinite_duration_from_a_config_file_is_refused(config_class):
+    """time = inf in a --config table is a float, not a string to parse: it had passed and
+    overflowed when the epochs that fit were planned."""
+    with pytest.raises(ValueError, match=r"^--tuning-time must be a positive duration, got inf"):
+        config_class(tuning_time=float("inf"))
+    with pytest.raises(ValueError, match=r"^--time must be a positive duration, got inf"):
+        cfg.TrainConfig(model="smallcnn", time=float("inf"))
+
+
+@pytest.mark.parametrize("seed", [-1, 2 ** 32])
+@pytest.mark.parametrize("config_class", [cfg.TrainConfig, cfg.QuantizeConfig, cfg.QatConfig])
+def test_a_seed_the_generators_cannot_take_is_refused(config_class, seed):
+    """[train] seed = -1 in a config file had passed, and the split failed after the run
+    folder was made; 2**32 and over overflow the sampler's seed."""
+    extra = {"model": "smallcnn"} if config_class is cfg.TrainConfig else {}
+    with pytest.raises(ValueError, match=rf"^--seed must be from 0 to 4294967295, got {seed}"):
+        config_class(seed=seed, **extra)
+
+
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(epochs=st.text(max_size=6), lr=st.text(max_size=6), batch=st.text(max_size=6),

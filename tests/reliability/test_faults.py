@@ -254,6 +254,25 @@ def test_a_disk_that_fails_every_write_marks_the_stage_failed(tmp_path, monkeypa
     assert not [p for p in run.root.rglob("*.tmp")]
 
 
+def test_a_disk_that_fills_at_the_stages_last_status_write_marks_it_failed(tmp_path,
+                                                                          monkeypatch):
+    """Everything the stage wrote is on disk, and the write that says `complete` fails: the
+    stage had stayed `running` for good, since only a failure is written over the manifest."""
+    real_write = artifacts.atomic_write_text
+
+    def write_text(path, text):
+        if '"complete"' in text:
+            raise files.PipelineError(f"{path}: No space left on device")
+        real_write(path, text)
+
+    monkeypatch.setattr(artifacts, "atomic_write_text", write_text)
+    result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "--run", "full",
+                                      *TINY_CLI])
+    assert result.exit_code == 1
+    stage = artifacts.open_run(tmp_path, "full").manifest()["stages"]["train"]
+    assert stage["status"] == "failed" and "No space left on device" in stage["error"]
+
+
 REAL_LIMIT = """
 import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write with EFBIG instead of dying

@@ -3,7 +3,10 @@ come back to the parent, and it runs with the environment a deployment has."""
 import ctypes
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +33,46 @@ def hold_then_die_killed(doing, megabytes):
     held[::4096] = b"x" * len(held[::4096])
     time.sleep(1.0)  # the parent reads the child's memory every 0.2 s
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def sleep_long(doing, pid_file):
+    Path(pid_file).write_text(str(os.getpid()))
+    time.sleep(120)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie no one reaped has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+PARENT = f"""
+import sys
+from stages.run import isolated
+isolated.call("{__name__}:sleep_long", sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_ends_when_its_parent_is_killed(tmp_path):
+    """SIGKILL of a quantize or report process had left its child running the stage, writing
+    the run's manifest with no lock held, beside whatever process took the lock next."""
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(pid_file)],
+                              cwd=Path(__file__).parents[3])
+    deadline = time.monotonic() + 120
+    while (not (pid_file.exists() and pid_file.read_text())
+           and time.monotonic() < deadline and parent.poll() is None):
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(child)
 
 
 def test_a_child_answers_raises_and_dies_as_the_parent_can_tell():
