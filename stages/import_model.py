@@ -62,7 +62,7 @@ def run(config, run: Run) -> dict:
     record_preprocessing(run, splits, config.dataset, "import")
     run.register("fp32", folder / "model.pt", kind="model", stage="import",
                  config=asdict(config), format="pytorch", model_spec=spec,
-                 imported_from=origin, scores=scores)
+                 imported_from=origin, scores=scores, data=splits.identity())
     say(f"imported {config.model} from {path}: validation accuracy "
         f"{scores['val_accuracy']:.2%}, test accuracy {scores['test_accuracy']:.2%}",
         quiet=config.quiet)

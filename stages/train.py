@@ -237,7 +237,8 @@ def _finish(model: Model, memory) -> TrainResult:
                  initial_weights={"file": config.init_weights, "torchvision": config.weights,
                                   "adapted": loop.parts.notes},
                  training=asdict(result) | {"weights_sha256_all_ranks": digests[0]},
-                 checkpoint_bytes=run.entry(f"{variant}/checkpoint-last")["bytes"])
+                 checkpoint_bytes=run.entry(f"{variant}/checkpoint-last")["bytes"],
+                 data=model.splits.identity())
     return result
 
 
@@ -390,7 +391,7 @@ def _baseline_from_amp(amp: TrainResult, run: Run, config, is_main: bool) -> Tra
                  format="pytorch", model_spec=source["model_spec"], chosen=source["chosen"],
                  initial_weights=source["initial_weights"],
                  training=source["training"] | {"variant": "fp32", "same_run_as": "amp"},
-                 checkpoint_bytes=source["checkpoint_bytes"])
+                 checkpoint_bytes=source["checkpoint_bytes"], data=source.get("data"))
     say("fp32: the same run as amp (autocast resolved to fp32), not trained twice; "
         f"copied to {path}", quiet=config.quiet)
     return result

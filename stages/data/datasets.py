@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 from stages.run.errors import PipelineError
 from stages.run.registry import lookup, register
-from stages.run.trained import trained_data
+from stages.run.trained import float_source, trained_data
 
 if TYPE_CHECKING:  # annotations only: torch is imported where it is used
     import torch
@@ -49,6 +49,26 @@ class DataSplits:
 
     def input_shape(self, batch_size: int) -> tuple[int, int, int, int]:
         return (batch_size, self.in_channels, self.image_size, self.image_size)
+
+    def identity(self) -> dict:
+        """Per split, how many images and a sha256 of which: an image folder's files by their
+        path in it, other sets' images by index. Recorded with the float model (data=)."""
+        import hashlib
+
+        def members(split) -> list[str]:
+            base, indices = ((split.dataset, split.indices) if hasattr(split, "indices")
+                             else (split, range(len(split))))
+            samples = getattr(base, "samples", None)
+            if samples is None:
+                return [str(i) for i in indices]
+            return [Path(samples[i][0]).relative_to(base.root).as_posix() for i in indices]
+
+        identity = {}
+        for name in ("train", "val", "test"):
+            found = members(getattr(self, name))
+            identity[name] = {"images": len(found), "sha256": hashlib.sha256(
+                "\n".join(found).encode()).hexdigest()}
+        return identity
 
 
 def stratified_split(labels, fraction: float, seed: int):
@@ -139,15 +159,48 @@ SHAPES = {"digits": (10, 1), "mnist": (10, 1), "fashion-mnist": (10, 1), "cifar1
 IN_MEMORY_IMAGES = {"digits": 1797}
 
 
+# The names an image folder's split subfolders go by (Kaggle's and Roboflow's "valid" too).
+SPLIT_NAMES = {"train": ("train", "training"), "val": ("val", "valid", "validation"),
+               "test": ("test", "testing")}
+
+
+def visible_folders(path: Path) -> list[Path]:
+    """Subfolders but hidden ones (.ipynb_checkpoints, .git), as predict lists a folder."""
+    return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def split_folders(root: Path) -> dict[str, Path]:
+    """An image folder's train, val and test subfolders by split ({} where its subfolders are
+    the classes). Split folders that make no usable layout are refused: read as classes,
+    train/ and valid/ had trained a two-class model of which folder an image came from."""
+    by_name = {p.name.lower(): p for p in visible_folders(root)}
+    found = {}
+    for split, names in SPLIT_NAMES.items():
+        present = [by_name[name] for name in names if name in by_name]
+        if len(present) > 1:
+            raise PipelineError(f"--dataset imagefolder: {root} has both {present[0].name}/ and "
+                                f"{present[1].name}/ for the {split} split; keep one")
+        found |= {split: present[0]} if present else {}
+    if found and ("train" not in found or len(found) == 1):
+        names = ", ".join(f"{p.name}/" for p in found.values())
+        lacks = "no training folder" if "train" not in found else "no val/ or test/ beside it"
+        raise PipelineError(f"--dataset imagefolder: {root} has {names} but {lacks}; give it "
+                            f"train/ with val/ or test/, or put the class subfolders in {root}")
+    return found
+
+
 def expected_shape(config) -> tuple[int, int, int]:
     """(classes, channels, bytes held in memory) a training config's data will have; an image
-    folder's classes are its class subfolders (of train/ where it has one)."""
+    folder's classes are its class subfolders (of its training folder where it has one)."""
     classes, channels = SHAPES[config.dataset]
     if config.dataset == "imagefolder":
         root = Path(config.data_dir).expanduser()
-        root = root / "train" if (root / "train").is_dir() else root
-        if root.is_dir():
-            classes = sum(1 for p in root.iterdir() if p.is_dir()) or classes
+        if not root.is_dir():  # before a model of a guessed ten classes meets the weights
+            raise PipelineError(f"--dataset imagefolder: {root} is not a folder; point "
+                                "--data-dir at a folder of class subfolders (or with train/ "
+                                "and val/ inside)")
+        root = split_folders(root).get("train", root)
+        classes = len(visible_folders(root)) or classes
     channels = config.in_channels or channels
     held = IN_MEMORY_IMAGES.get(config.dataset, 0) * channels * config.image_size ** 2 * 4
     return classes, channels, held
@@ -197,8 +250,22 @@ def preprocessing_of_run(run) -> dict:
 
 
 def splits_of_run(run) -> DataSplits:
-    """The data a run was trained on, rebuilt from the training config in its manifest."""
-    return load_splits(trained_data(run))
+    """The data a run was trained on, rebuilt from the training config in its manifest, and
+    refused where it is not the same: quantize and report split it again, and a folder with a
+    file more or less moves images between the test and training splits."""
+    config = trained_data(run)
+    splits = load_splits(config)
+    recorded = run.entry(float_source(run)).get("data")  # runs before 2026-12-07 have none
+    if recorded is not None and (now := splits.identity()) != recorded:
+        changed = next(s for s in ("test", "val", "train") if now[s] != recorded[s])
+        before, after = recorded[changed]["images"], now[changed]["images"]
+        raise PipelineError(
+            f"the data in {config.data_dir} is not what run {run.name!r} was trained on: its "
+            f"{changed} split held {before} images and now holds "
+            f"{after if after != before else 'as many, but others'}, so test images could be "
+            "training images; put the data back as it was, or train a new run on it")
+    return splits
+
 
 
 # The torchvision data sets and image folders register themselves on import.

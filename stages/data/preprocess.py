@@ -106,13 +106,18 @@ def _loaded(file) -> Image.Image:
         return opened.copy()
 
 
+def in_colour(image, colour: str) -> Image.Image:
+    """A path or PIL image, decoded, in ``colour`` ("L" or "RGB"), 16-bit scaled to 8 bits: as
+    training reads an image folder's files and as predict reads a user's."""
+    if not isinstance(image, Image.Image):
+        image = read_image(image)
+    return _eight_bit(image).convert(colour)
+
+
 def decode(image, spec: dict) -> np.ndarray:
     """A path or PIL image as uint8 pixels (H, W) or (H, W, 3) in the spec's colour, resized to
     the size the data set's images have before normalising (its source size, or the model's)."""
-    if not isinstance(image, Image.Image):
-        image = _eight_bit(read_image(image)).convert(spec["colour"])
-    else:
-        image = _eight_bit(image).convert(spec["colour"])
+    image = in_colour(image, spec["colour"])
     side = spec.get("source_size") or spec["image_size"]
     if image.size != (side, side):
         image = image.resize((side, side), Image.BILINEAR)

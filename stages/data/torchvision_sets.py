@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.data.datasets import DataSplits, register_dataset, stratified_split
+from stages.data.datasets import DataSplits, register_dataset, split_folders, stratified_split
 from stages.run.errors import PipelineError
 
 # Per-channel mean and std of each training set, as published with it.
@@ -158,12 +158,12 @@ class _DecodedImages:
         return image
 
     def _decode(self, path: str):
-        from PIL import Image
         from torchvision.transforms import functional as F
 
-        with open(path, "rb") as file:
-            image = Image.open(file).convert("RGB")
-        return F.resize(image, [self.size, self.size])
+        from stages.data.preprocess import in_colour
+
+        # As predict decodes: 16-bit grey scaled to 8 bits (convert alone clips it to white).
+        return F.resize(in_colour(path, "RGB"), [self.size, self.size])
 
     def unreadable(self, paths: list[str]) -> list[str]:
         """Files PIL cannot decode completely (zero bytes, truncated, or not an image at all);
@@ -183,35 +183,60 @@ def _drop_images(folder_dataset, bad: set[str]) -> None:
     folder_dataset.targets = [t for _, t in kept]
 
 
-def _check_classes(found, path: Path, least: int, held_out=None) -> None:
+def _check_classes(found, path: Path, least: int, held_out=()) -> None:
     """Two classes or more, each with ``least`` images: one class trains nothing (its loss is
-    zero whatever the weights), and every class is split; ``held_out`` (its ImageFolder and
-    path), where there is one, has the same classes."""
+    zero whatever the weights), and every class is split; each of ``held_out`` (its
+    ImageFolder and path) has the same classes."""
     from collections import Counter
 
-    if held_out is not None and held_out[0].classes != found.classes:
-        raise PipelineError(f"--dataset imagefolder: {path} and {held_out[1]} have different "
-                            "class subfolders")
+    for other, other_path in held_out:
+        if other.classes != found.classes:
+            raise PipelineError(f"--dataset imagefolder: {path} and {other_path} have different "
+                                "class subfolders")
     if len(found.classes) < 2:
         raise PipelineError(f"--dataset imagefolder: {path} has one class subfolder "
                             f"({found.classes[0]}); a classifier needs two or more")
     counts = Counter(found.targets)
     short = next((name for i, name in enumerate(found.classes) if counts[i] < least), None)
     if short is not None:
-        uses = "test, validation and training" if least == 3 else "validation and training"
+        uses = {3: "test, validation and training", 2: "validation and training"}.get(
+            least, "training")
         raise PipelineError(f"--dataset imagefolder: class {short!r} in {path} has "
                             f"{counts[found.class_to_idx[short]]} image(s); give every class "
                             f"{least} or more (one each for {uses})")
+
+
+def _from_split_folders(found: dict, folder, val_fraction: float, seed: int):
+    """(augmented training set, plain training set, training indices, val, test) of an image
+    folder's split folders (``found``: split_folders): test/ is the test split where there is
+    one and val/ the validation split; with one of the two, it is the test split and
+    validation is drawn from train/."""
+    import torch
+
+    train_path = found["train"]
+    test_path = found.get("test", found.get("val"))
+    val_path = found["val"] if "test" in found and "val" in found else None
+    augmented, plain = folder(train_path, True, True), folder(train_path, False, False)
+    test = folder(test_path, False, True)
+    val = folder(val_path, False, True) if val_path else None
+    _check_classes(augmented, train_path, least=1 if val else 2,
+                   held_out=[(test, test_path)] + ([(val, val_path)] if val else []))
+    if val:
+        return augmented, plain, list(range(len(augmented))), val, test
+    train_idx, val_idx = stratified_split(augmented.targets, val_fraction, seed)
+    return augmented, plain, train_idx, torch.utils.data.Subset(plain, sorted(val_idx)), test
 
 
 @register_dataset("imagefolder")
 def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
                 val_fraction: float = 0.1, in_channels: int | None = None,
                 skip_bad_images: bool = False, **_: object) -> DataSplits:
-    """A folder of class subfolders: train/ and val/ (or test/) when present, otherwise one
-    folder split into train, val and test, each class in proportion."""
+    """A folder of class subfolders: its train/, val/ and test/ where it has them (train/ with
+    one of the others: that one is the test split, and validation is drawn from train/),
+    otherwise one folder split into train, val and test, each class in proportion."""
     import torch
-    from torchvision import datasets
+
+    from stages.data.image_folder import VisibleImageFolder
 
     root = Path(data_dir).expanduser()
     if not root.is_dir():
@@ -225,7 +250,7 @@ def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
         read by two datasets, with and without augmentation, but counted once)."""
         nonlocal skipped
         try:
-            found = datasets.ImageFolder(str(path), loader=decoded, transform=_transforms(
+            found = VisibleImageFolder(str(path), loader=decoded, transform=_transforms(
                 "imagefolder", image_size, in_channels, augment))
         except (FileNotFoundError, RuntimeError) as exc:
             raise PipelineError(f"--dataset imagefolder: {path}: {exc}; each class needs a "
@@ -242,22 +267,20 @@ def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
             skipped += len(bad) if count else 0
         return found
 
-    held_out = next((root / n for n in ("val", "test") if (root / n).is_dir()), None)
     subset = torch.utils.data.Subset
-    if (root / "train").is_dir() and held_out is not None:
-        augmented, plain = folder(root / "train", True, True), folder(root / "train", False, False)
-        test = folder(held_out, False, True)
-        _check_classes(augmented, root / "train", least=2, held_out=(test, held_out))
-        train_idx, val_idx = stratified_split(augmented.targets, val_fraction, seed)
+    found = split_folders(root)
+    if found:
+        augmented, plain, train_idx, val, test = _from_split_folders(found, folder, val_fraction,
+                                                                     seed)
     else:
         augmented, plain = folder(root, True, True), folder(root, False, False)
         _check_classes(augmented, root, least=3)  # split twice: test, then validation
         rest, test_idx = stratified_split(augmented.targets, val_fraction, seed=0)
         rest_targets = [augmented.targets[i] for i in rest]
         train_part, val_part = stratified_split(rest_targets, val_fraction, seed)
-        train_idx, val_idx = rest[train_part], rest[val_part]
-        test = subset(plain, sorted(test_idx))
-    return DataSplits(subset(augmented, sorted(train_idx)), subset(plain, sorted(val_idx)), test,
+        train_idx = rest[train_part]
+        val, test = subset(plain, sorted(rest[val_part])), subset(plain, sorted(test_idx))
+    return DataSplits(subset(augmented, sorted(train_idx)), val, test,
                       subset(plain, sorted(train_idx)), num_classes=len(augmented.classes),
                       in_channels=in_channels or 3, image_size=image_size,
                       skipped_images=skipped, classes=tuple(augmented.classes),

@@ -117,6 +117,18 @@ def test_import_refuses_weights_that_do_not_fit_naming_the_key(tiny_run, tmp_pat
     assert "fp32" not in run.artifacts()
 
 
+def test_import_from_an_image_folder_that_is_not_there_names_the_folder(tiny_run, tmp_path):
+    """A mistyped --data-dir had built a model of ten guessed classes and blamed the weights
+    (five classes here) for not fitting it."""
+    trained = loading.load_checkpoint(tiny_run["run"].verified_path("fp32"))["state_dict"]
+    trained["12.weight"] = torch.zeros(5, 64)
+    torch.save(trained, tmp_path / "five.pt")
+    with pytest.raises(PipelineError, match=r"photoz is not a folder; point --data-dir at"):
+        import_model.preflight(ImportConfig(model="smallcnn", weights=str(tmp_path / "five.pt"),
+                                            dataset="imagefolder", image_size=8,
+                                            data_dir=str(tmp_path / "photoz")))
+
+
 def test_starting_weights_replace_the_classifier_and_adapt_the_first_convolution(tmp_path):
     from torch import nn
 

@@ -130,8 +130,29 @@ def test_imagefolder_decodes_each_file_once_into_the_pixels_torchvision_gives(tm
     for i, image in enumerate(expected):
         assert torch.equal(splits.test[i][0], image)
     assert splits.train[0][0].shape == (3, 16, 16)  # augmented afresh from the kept pixels
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ValueError, match="no such file"):
         unkept.test[0]
+
+
+def test_an_image_folder_of_16_bit_grey_trains_on_the_pixels_predict_gives(tmp_path):
+    """Pillow's convert alone clips 16-bit grey at 255 of 65535, which had trained the model on
+    white images while predict scaled the same files to 8 bits."""
+    from stages.data import preprocess, torchvision_sets
+
+    root = tmp_path / "scans"
+    for c in range(3):
+        (root / f"class{c}").mkdir(parents=True)
+        for i in range(4):
+            pixels = np.full((16, 16), 257 * (40 + 60 * c + i), dtype=np.uint16)
+            Image.fromarray(pixels).save(root / f"class{c}" / f"{i}.png")
+    splits = load_dataset("imagefolder", image_size=16, seed=0, data_dir=root)
+    spec = {"colour": "RGB", "image_size": 16, "channels": 3, "source_size": None,
+            "mean": list(torchvision_sets.STATS["imagefolder"][0]),
+            "std": list(torchvision_sets.STATS["imagefolder"][1])}
+    for i, index in enumerate(splits.test.indices):
+        path = splits.test.dataset.samples[index][0]
+        served = preprocess.to_input(preprocess.decode(path, spec)[None], spec)[0]
+        np.testing.assert_allclose(splits.test[i][0].numpy(), served, atol=1e-5)
 
 
 def test_an_image_folder_of_one_class_or_too_few_images_is_refused_saying_why(tmp_path):
@@ -193,3 +214,53 @@ def test_quantizes_check_images_cover_the_classes_of_a_split_in_class_order():
     assert drawn.shape == (128, 1, 1, 1)
     assert set(drawn.flatten().long().tolist()) == set(range(10))
     assert torch.equal(drawn, spread_images(in_class_order, 128, seed=0))  # a fixed draw
+
+
+def test_an_image_folders_split_subfolders_go_by_their_usual_names(tmp_path):
+    """train/ and valid/ (Kaggle's and Roboflow's names) had been read as two classes, "train"
+    and "valid"; with val/ and test/ both present, val/ had been taken as the test split."""
+    _png_folder(tmp_path / "kaggle" / "train")
+    _png_folder(tmp_path / "kaggle" / "valid", per_class=4)
+    kaggle = load_dataset("imagefolder", image_size=8, seed=0, data_dir=tmp_path / "kaggle")
+    assert kaggle.classes == ("class0", "class1", "class2") and len(kaggle.test) == 12
+    for split, count in (("train", 10), ("val", 3), ("test", 5)):
+        _png_folder(tmp_path / "three" / split, per_class=count)
+    three = load_dataset("imagefolder", image_size=8, seed=0, data_dir=tmp_path / "three")
+    assert (len(three.train), len(three.val), len(three.test)) == (30, 9, 15)
+    _png_folder(tmp_path / "half" / "training")
+    with pytest.raises(PipelineError, match=r"has training/ but no val/ or test/ beside it"):
+        load_dataset("imagefolder", image_size=8, seed=0, data_dir=tmp_path / "half")
+
+
+def test_hidden_folders_and_files_in_an_image_folder_are_left_out(tmp_path):
+    """As predict leaves them out: .ipynb_checkpoints/ had become a class, and macOS's ._x.png
+    (not an image) stopped training as unreadable."""
+    root = _png_folder(tmp_path / "flat", per_class=6)
+    (root / ".ipynb_checkpoints").mkdir()
+    Image.new("RGB", (12, 12)).save(root / ".ipynb_checkpoints" / "a.png")
+    (root / "class0" / "._0.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    splits = load_dataset("imagefolder", image_size=8, seed=0, data_dir=root)
+    assert splits.classes == ("class0", "class1", "class2") and splits.skipped_images == 0
+    assert len(splits.train) + len(splits.val) + len(splits.test) == 18
+
+
+def test_data_that_changed_since_training_is_refused_when_a_later_stage_splits_it(tmp_path):
+    """quantize and report split the folder again: a photo added moves others between the
+    test and training splits, and the report had scored the model on images it trained on."""
+    import dataclasses
+
+    from stages.data.datasets import load_splits, splits_of_run
+
+    root = _png_folder(tmp_path / "photos", per_class=12)
+    config = TrainConfig(model="smallcnn", dataset="imagefolder", data_dir=str(root),
+                         image_size=8)
+    entries = {"amp": {"config": dataclasses.asdict(config),
+                       "data": load_splits(config).identity()}}
+    run = type("Run", (), {"name": "r", "artifacts": lambda self: entries,
+                           "entry": lambda self, name: entries[name]})()
+    assert splits_of_run(run).classes == ("class0", "class1", "class2")  # the same data: read
+    Image.new("RGB", (12, 12)).save(root / "class1" / "new.png")
+    with pytest.raises(PipelineError, match=r"the data in .*photos is not what run 'r' was "
+                                            r"trained on: its \w+ split held \d+ images and now "
+                                            r"holds .*put the data back as it was"):
+        splits_of_run(run)
