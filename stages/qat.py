@@ -25,7 +25,7 @@ from stages.data.loaders import EpochSampler, make_loader
 from stages.data.subsets import validation_halves
 from stages.measure.evaluate import dataset_hits
 from stages.run.artifacts import Run
-from stages.run.errors import Diverged, PipelineError
+from stages.run.errors import Diverged, NotMade, PipelineError
 from stages.run.progress import say
 from stages.runtimes import qat as qat_runtime
 from stages.runtimes.context import QuantContext, context
@@ -253,6 +253,10 @@ def run(config, run: Run) -> list[str]:
         for name in names:
             run.unregister(name)
         for name in names:
-            if runtimes.VARIANTS[name].make(ctx, tuned) is not None:
-                made.append(name)
+            try:
+                if runtimes.VARIANTS[name].make(ctx, tuned) is not None:
+                    made.append(name)
+            except NotMade as exc:  # costs this one (and what is read from it), not the stage
+                ctx.say(f"qat: {name} not made: {exc}")
+                run.unregister(name)
     return made

@@ -18,13 +18,17 @@ from stages.runtimes.context import context, source_of
 
 def plan(run: Run, methods: tuple[str, ...]) -> list[str]:
     """The variants to make, in registry order, with the sources they need and the run lacks
-    (ort-static needs onnx-fp32, openvino-int8 needs openvino-fp32)."""
-    wanted = set(methods)
+    (ort-static needs onnx-fp32, openvino-int8 needs openvino-fp32), and those listed that run
+    a planned one's own files (openvino-bf16 on openvino-fp32's IR): made again with it, since
+    their sha256 would no longer match."""
+    wanted, listed = set(methods), run.artifacts()
     for name in list(wanted):
         source = source_of(run, name)
-        while source and source not in wanted and source not in run.artifacts():
+        while source and source not in wanted and source not in listed:
             wanted.add(source)
             source = source_of(run, source)
+    wanted |= {name for name in _listed_variants(run) if source_of(run, name) in wanted
+               and listed[name]["path"] == listed.get(source_of(run, name), {}).get("path")}
     unmade = [n for n in wanted if runtimes.VARIANTS[n].stage != "quantize"
               and n not in run.artifacts()]
     if unmade:
@@ -111,7 +115,8 @@ def run_as_deployed(config, target: Run, qat_config=None) -> list[str]:
                 say(f"quantize: {name}: {crash}; making the others again without it",
                     quiet=config.quiet)
                 planned = plan(target, asked.methods)
-                for lost in (m for m in planned if name in _sources(target, m)):
+                for lost in (m for m in dict.fromkeys([*planned, *_listed_variants(target)])
+                             if name in _sources(target, m)):
                     crashed[lost] = (f"not made: its runtime crashed ({crash.signal_name}) "
                                      "while it was made" if lost == name else
                                      f"not made: it is made from {name}, whose runtime crashed")
@@ -138,9 +143,14 @@ def _not_made(ctx, names: list[str], failed: str, exc: NotMade) -> None:
     """A converter that cannot take the model costs its variant and what is made from it, as
     a native crash does (run_as_deployed), not the stage."""
     ctx.refuse(failed, f"not made: {exc}")
-    for later in names:
+    # What an earlier quantize made from it goes too: listed with no source, it failed the report.
+    for later in dict.fromkeys([*names, *_listed_variants(ctx.run)]):
         if later != failed and later not in ctx.refused and failed in _sources(ctx.run, later):
             ctx.refuse(later, f"not made: it is made from {failed}, which could not be made")
+
+
+def _listed_variants(run: Run) -> list[str]:
+    return [name for name in run.artifacts() if name in runtimes.VARIANTS]
 
 
 def _sources(run: Run, name: str) -> list[str]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from stages.run import signals
-from stages.run.errors import PipelineError
+from stages.run.errors import NotMade, PipelineError
 
 TEMP_SUFFIX = ".tmp"
 # Errors of the disk rather than of the code: full, quota, file size limit, read-only, I/O.
@@ -74,6 +74,23 @@ def raise_if_disk_failure(exc: BaseException, path: Path) -> None:
     failure = _write_failure(exc)
     if failure is not None:
         raise PipelineError(disk_failure_message(path, failure)) from None
+
+
+@contextlib.contextmanager
+def converter_errors(converter: str, path: Path | None = None) -> Iterator[None]:
+    """What a converter or runtime raises of its own while it makes a variant (its own types,
+    a RuntimeError from native code) as NotMade: it cannot take this model, which costs the
+    variant and what is made from it, not the stage. Ours (a full disk, a refused file) and a
+    write the operating system refused (``path``'s disk) stay the stage's."""
+    try:
+        yield
+    except PipelineError:
+        raise
+    except Exception as exc:
+        if path is not None:
+            raise_if_disk_failure(exc, path)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise NotMade(f"{converter} failed: {first}") from exc
 
 
 def _megabytes(count: float) -> str:

@@ -20,7 +20,7 @@ from stages.measure.machine import cpu_has_vnni
 from stages.quantization import sensitivity, tuning
 from stages.quantization.sensitivity import Scheme
 from stages.run.errors import PipelineError
-from stages.run.files import atomic_path
+from stages.run.files import atomic_path, converter_errors
 from stages.runtimes import FLOAT, Loaded, loader, onnx_export, profilers, variant
 from stages.runtimes.onnx_export import INPUT_NAME, OUTPUT_NAME
 
@@ -208,7 +208,8 @@ def quantize_static(pre_processed: Path, path: Path, batches, options: dict,
               "percentile": CalibrationMethod.Percentile}[options["calibration_method"]]
     cache = {} if calibration_cache is None else {"calibration_cache_path": str(calibration_cache)}
     # The histogram calibrators print their progress with print(); keep our output short.
-    with atomic_path(path) as tmp, contextlib.redirect_stdout(io.StringIO()):
+    with atomic_path(path) as tmp, contextlib.redirect_stdout(io.StringIO()), \
+            converter_errors("ONNX Runtime's static quantization", path):
         ort_quantize_static(str(pre_processed), str(tmp), TrainingBatches(),
                             quant_format=QuantFormat.QDQ if options["format"] == "QDQ"
                             else QuantFormat.QOperator,
@@ -273,7 +274,7 @@ def make_dynamic(ctx) -> dict:
     made = ctx.scratch / "ort-dynamic.onnx"
     # 7-bit weights without VNNI, as ort-static's: AVX2's u8 x s8 products can saturate.
     reduce_range = not cpu_has_vnni()
-    with atomic_path(made) as tmp:
+    with atomic_path(made) as tmp, converter_errors("ONNX Runtime's dynamic quantization", made):
         quantize_dynamic(str(ctx.run.verified_path("onnx-fp32")), str(tmp),
                          weight_type=QuantType.QInt8, op_types_to_quantize=DYNAMIC_OP_TYPES,
                          reduce_range=reduce_range)
@@ -303,7 +304,8 @@ def _pre_processed(ctx, equalize: bool) -> Path:
         source = ctx.scratch / "equalized.onnx"
         onnx_export.export_onnx(ctx.equalized_model()[0], ctx.check_images()[:2], source)
     pre = ctx.scratch / f"pre-processed{'-equalized' if equalize else ''}.onnx"
-    quant_pre_process(str(source), str(pre))
+    with converter_errors("ONNX Runtime's quant_pre_process", pre):
+        quant_pre_process(str(source), str(pre))
     return pre
 
 

@@ -21,7 +21,7 @@ from stages.measure.evaluate import compare_logits, scoring_batch_size
 from stages.quantization import sensitivity, tuning
 from stages.quantization.sensitivity import Scheme
 from stages.run.errors import NotMade, PipelineError
-from stages.run.files import atomic_path
+from stages.run.files import atomic_path, converter_errors
 from stages.runtimes import Loaded, loader, profilers, variant
 
 INPUT_NAME = "input"
@@ -256,8 +256,8 @@ def save_ir(model, xml: Path, scratch: Path) -> Path:
          description="onnx-fp32 as OpenVINO IR, f32 precision hint")
 def make_fp32(ctx) -> dict:
     ov = _openvino()
-    source = ctx.run.verified_path("onnx-fp32")
-    model = ov.convert_model(str(source))
+    with converter_errors("OpenVINO's model converter"):  # (our own errors pass through)
+        model = ov.convert_model(str(ctx.run.verified_path("onnx-fp32")))
     pools = means_as_avg_pools(model)
     xml = ctx.folder / "openvino-fp32.xml"
     weights = save_ir(model, xml, ctx.scratch)
@@ -316,7 +316,7 @@ def _int8_backend(ctx, fp32_model, calibration) -> tuning.Backend:
         names = list(float_layers) + gates
         scope = nncf.IgnoredScope(names=names) if names else None
         # NNCF draws progress bars on stdout, where the CLI prints the paths it wrote.
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), converter_errors("NNCF"):
             return nncf.quantize(fp32_model, dataset, subset_size=len(calibration),
                                  preset=getattr(nncf.QuantizationPreset, options["preset"]),
                                  ignored_scope=scope)

@@ -10,7 +10,7 @@ import warnings
 
 from stages.measure.machine import cpu_has_vnni
 from stages.run.errors import NotMade, PipelineError
-from stages.run.files import atomic_torch_save
+from stages.run.files import atomic_torch_save, converter_errors
 from stages.run.loading import load_checkpoint
 from stages.runtimes import graph_file, torchao_patterns
 
@@ -221,11 +221,13 @@ def quantize_pt2e(model, spec: dict, options: dict, calibration, float_layers=()
              else export_graph(copy.deepcopy(model), spec))
     if options.get("float_depthwise"):
         float_layers = (*float_layers, *depthwise_names(model))
-    prepared = quantize_pt2e_module.prepare_pt2e(graph, make_quantizer(options, float_layers))
-    with torch.inference_mode():
-        for batch in calibration:
-            prepared(batch)
-    return convert(prepared)
+    with converter_errors("torchao's PT2E quantization"):
+        prepared = quantize_pt2e_module.prepare_pt2e(graph, make_quantizer(options,
+                                                                           float_layers))
+        with torch.inference_mode():
+            for batch in calibration:
+                prepared(batch)
+        return convert(prepared)
 
 
 def prepare_qat(graph, options: dict):

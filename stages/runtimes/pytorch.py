@@ -18,7 +18,7 @@ from stages.models.build import build_from_spec
 from stages.quantization import sensitivity, tuning
 from stages.quantization.sensitivity import Scheme
 from stages.run.errors import PipelineError
-from stages.run.files import sha256_file
+from stages.run.files import converter_errors, sha256_file
 from stages.run.loading import load_checkpoint
 from stages.run.trained import FLOAT_MODELS
 from stages.runtimes import FLOAT, Loaded, declare, inductor, loader, profilers, pt2e, variant
@@ -83,9 +83,10 @@ def make_compiled(ctx) -> dict:
     def check() -> None:
         model = ctx.float_model()
         images = ctx.check_images()
-        compiled = inductor.compiled_once(ctx.run.entry(ctx.source)["sha256"], "float",
-                                          lambda: copy.deepcopy(model))
-        counts = inductor.compiled_counts(compiled, images[:inductor.COMPILED_BATCH])
+        with converter_errors("torch.compile (Inductor)"):
+            compiled = inductor.compiled_once(ctx.run.entry(ctx.source)["sha256"], "float",
+                                              lambda: copy.deepcopy(model))
+            counts = inductor.compiled_counts(compiled, images[:inductor.COMPILED_BATCH])
         info["parity_vs_source"] = compare_logits(predict(model, images),
                                                   inductor.predict_compiled(compiled, images))
         ctx.register("fp32-compiled", ctx.run.verified_path(ctx.source), info, fmt="pytorch",
@@ -112,11 +113,13 @@ def make_bf16_compiled(ctx) -> dict:
     def check() -> None:
         model = ctx.float_model()
         images = ctx.check_images()
-        compiled = inductor.compiled_once(ctx.run.entry(ctx.source)["sha256"], "float-bf16",
-                                          lambda: autocast_module(copy.deepcopy(model), "bf16"))
-        record = ctx.score_without_search(
-            "amp-compiled", functools.partial(inductor.predict_compiled, compiled),
-            lambda images: predict(model, images), ctx.source, {"autocast": "bf16"})
+        with converter_errors("torch.compile (Inductor)"):  # compiled at its first call
+            compiled = inductor.compiled_once(
+                ctx.run.entry(ctx.source)["sha256"], "float-bf16",
+                lambda: autocast_module(copy.deepcopy(model), "bf16"))
+            record = ctx.score_without_search(
+                "amp-compiled", functools.partial(inductor.predict_compiled, compiled),
+                lambda images: predict(model, images), ctx.source, {"autocast": "bf16"})
         if record["chosen"] is None:
             ctx.not_kept("amp-compiled", record)
             return
@@ -176,8 +179,9 @@ KERNEL_AGREEMENT_TO_WARN = 0.99  # compiled against the quantized graph, top-1 o
 
 def _check_compiled(ctx, name: str, path, reloaded, after, info: dict) -> None:
     images = ctx.check_images()
-    compiled = inductor.compiled_once(sha256_file(path), "pt2e", lambda: reloaded)
-    counts = inductor.compiled_counts(compiled, images[:inductor.COMPILED_BATCH])
+    with converter_errors("torch.compile (Inductor)"):
+        compiled = inductor.compiled_once(sha256_file(path), "pt2e", lambda: reloaded)
+        counts = inductor.compiled_counts(compiled, images[:inductor.COMPILED_BATCH])
     # What runs is Inductor's code, not the graph: on efficientnet_b0 they disagreed on 2-4%
     # of images (mnasnet0_5: none). Its squeeze-excitation pools are quantized averages whose
     # input and output share a scale, so a mean on an exact half step rounds either way by

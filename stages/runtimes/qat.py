@@ -12,6 +12,7 @@ from pathlib import Path
 from stages.data.subsets import calibration_batches, validation_halves
 from stages.measure.evaluate import PARITY_MIN_AGREEMENT, compare_logits, dataset_accuracy
 from stages.run.errors import PipelineError
+from stages.run.files import converter_errors
 from stages.runtimes import FLOAT, onnx_export, openvino, pt2e, qdq_onnx, variant
 from stages.runtimes.onnxruntime import onnx_op_counts, ort_predict, ort_session
 from stages.runtimes.pytorch import save_and_check
@@ -83,11 +84,12 @@ def make_ort_qat(ctx, tuned: FineTuned) -> dict | None:
     except PipelineError as exc:
         ctx.say(f"qat: ort-qat not made: {exc}")
         return None
-    completed = qdq_onnx.complete_for_onnx_runtime(path, calibration_batches(
-        ctx.splits, qdq_onnx.RESIDUAL_CALIBRATION_IMAGES, 64, ctx.config.seed))
     reference = ctx.logits_of("torch-qat", images)
-    parity = parity_with_torch_qat("ort-qat", reference,
-                                   ort_predict(ort_session(path, threads=1), images))
+    with converter_errors("ONNX Runtime", path):
+        completed = qdq_onnx.complete_for_onnx_runtime(path, calibration_batches(
+            ctx.splits, qdq_onnx.RESIDUAL_CALIBRATION_IMAGES, 64, ctx.config.seed))
+        parity = parity_with_torch_qat("ort-qat", reference,
+                                       ort_predict(ort_session(path, threads=1), images))
     if parity["top1_agreement"] < PARITY_MIN_AGREEMENT:
         cause = qdq_onnx.bias_rounding_cause(path, reference, images)
         path.unlink()

@@ -532,3 +532,26 @@ def test_a_qat_that_fails_part_way_leaves_no_variant_of_the_fine_tuning_it_repla
     with pytest.raises(PipelineError, match="ort-qat: failed"):
         qat.run(QatConfig(epochs=1, quiet=True), run)
     assert not {"ort-qat", "openvino-qat"} & set(run.artifacts())
+
+
+def test_a_qat_variant_its_runtime_cannot_take_costs_that_variant_not_the_stage(
+        tiny_qat_run, tmp_path, monkeypatch):
+    """OpenVINO's compiler refusing openvino-qat had failed the stage after torch-qat was
+    listed (and quantize --auto then said QAT made nothing, with torch-qat in the manifest)."""
+    from stages.run.errors import NotMade
+    from stages.runtimes import openvino as openvino_runtime
+    from tests.conftest import _copy
+
+    run = _copy(tiny_qat_run["run"], tmp_path / "artifacts")
+
+    def refuses(*_, **__):
+        raise NotMade("OpenVINO cannot compile the model: a test's refusal")
+
+    real = qat_runtime.parity_with_torch_qat  # ort-qat kept, so that openvino-qat is tried
+    monkeypatch.setattr(qat_runtime, "parity_with_torch_qat", lambda name, reference, logits:
+                        real(name, reference, logits) | {"top1_agreement": 1.0})
+    monkeypatch.setattr(openvino_runtime, "compile_model", refuses)
+    made = qat.run(QatConfig(epochs=1, quiet=True), run)
+    assert made == ["torch-qat", "ort-qat"]
+    assert made[0] == "torch-qat" and "openvino-qat" not in made
+    assert [n for n in ("torch-qat", "ort-qat", "openvino-qat") if n in run.artifacts()] == made

@@ -461,6 +461,55 @@ def test_a_converter_that_cannot_take_the_model_costs_its_variants_not_the_stage
     assert not {"onnx-fp32", "ort-static"} & set(fresh_tiny_run.artifacts())
 
 
+def test_a_converters_own_error_costs_its_variant_and_what_was_made_from_it_before(
+        fresh_tiny_run, monkeypatch):
+    """ONNX Runtime's shape inference raising its own error had failed the stage; and an
+    onnx-fp32 that can no longer be made left openvino-fp32, made from it by an earlier
+    quantize, listed with no source, which failed every report after."""
+    from onnxruntime.quantization import shape_inference
+
+    from stages.run.errors import NotMade
+    from stages.runtimes import onnx_export
+
+    run = fresh_tiny_run
+    quantize.run(QuantizeConfig(methods="openvino-fp32", calibration_samples=64, quiet=True), run)
+    assert {"onnx-fp32", "openvino-fp32"} <= set(run.artifacts())
+
+    def fails(*_, **__):
+        raise RuntimeError("[ShapeInferenceError] a test's failure\nmore detail")
+
+    monkeypatch.setattr(shape_inference, "quant_pre_process", fails)
+    made = quantize.run(QuantizeConfig(methods="ort-static", calibration_samples=64, quiet=True),
+                        run)
+    assert made == ["ort-static"] and "ort-static" not in run.artifacts()
+    assert run.recorded_config("quantize")["not_kept"]["ort-static"] == (
+        "not made: ONNX Runtime's quant_pre_process failed: [ShapeInferenceError] a test's "
+        "failure")
+
+    def refuses(*_, **__):
+        raise NotMade("ONNX export of SmallCNN failed: a test's refusal")
+
+    monkeypatch.setattr(onnx_export, "export_onnx", refuses)
+    quantize.run(QuantizeConfig(methods="onnx-fp32", calibration_samples=64, quiet=True), run)
+    assert not {"onnx-fp32", "openvino-fp32"} & set(run.artifacts())
+    assert run.recorded_config("quantize")["not_kept"]["openvino-fp32"] == (
+        "not made: it is made from onnx-fp32, which could not be made")
+
+
+def test_a_variant_that_runs_its_sources_files_is_made_again_with_it():
+    """openvino-bf16 is openvino-fp32's IR under another hint: openvino-fp32 made again alone
+    left bf16 listed with the old files' sha256, and the report refused the run."""
+    from types import SimpleNamespace
+
+    listed = {"amp": {"path": "train/amp/model.pt"}, "onnx-fp32": {"path": "quantize/model.onnx"},
+              "openvino-fp32": {"path": "quantize/openvino-fp32.xml"},
+              "openvino-bf16": {"path": "quantize/openvino-fp32.xml"},
+              "openvino-int8": {"path": "quantize/openvino-int8.xml"}}
+    run = SimpleNamespace(name="fake", artifacts=lambda: listed)
+    assert quantize.plan(run, ("openvino-fp32",)) == ["openvino-fp32", "openvino-bf16"]
+    assert quantize.plan(run, ("openvino-int8",)) == ["openvino-int8"]
+
+
 def test_auto_does_not_take_a_variant_its_converter_refused_for_an_accuracy_failure(
         fresh_tiny_run, monkeypatch):
     """torch.export refusing the model is no accuracy failure, and QAT starts from the same

@@ -24,3 +24,18 @@ def test_each_float_variant_s_held_out_logits_are_computed_once_per_stage():
     assert calls == [1.0, -1.0]
     assert again is first and torch.equal(other["logits"], -first["logits"])
     assert first["accuracy"] + other["accuracy"] == 1.0  # the other sign flips every prediction
+
+
+def test_quantize_times_its_candidates_with_the_reports_thread_count(fresh_tiny_run,
+                                                                     monkeypatch):
+    """--auto ranks candidates by their timings: with torch's default count (physical cores)
+    where the report runs one thread per usable CPU, it ranked them at another count."""
+    from pipeline.config import QuantizeConfig
+    from stages.runtimes import context as context_module
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(context_module, "inference_threads", lambda: before + 2)
+    config = QuantizeConfig(methods="torch-static", calibration_samples=16, quiet=True)
+    with context_module.context(fresh_tiny_run, config, "quantize") as ctx:
+        assert ctx.threads == torch.get_num_threads() == before + 2
+    assert torch.get_num_threads() == before
