@@ -19,7 +19,6 @@ Processor = tuple[str, Callable]
 CREATES_A_RUN = ("train", "import")  # the first stage of a chain that starts a new run
 READS_ONLY = ("predict", "export")  # they change nothing in the run: no lock, no stage status
 EVERY_RANK = ("train",)  # under torchrun; the other stages run on rank 0 alone
-TRAINING = ("train", "qat")  # the stages that train, so may need oneDNN capped
 
 
 def run_chain(processors: list[Processor], artifacts_dir: Path, run_name: str | None, *,
@@ -100,7 +99,10 @@ def _cap_isa_before_any_kernel(processors: list[Processor], precision: str | Non
     (stages/training/precision.py says why); this is the last moment before any runs. A
     resumed run (``resumed``: its artifacts folder and name) trains in the precision it was
     started with."""
-    if not any(stage in TRAINING for stage, _ in processors):
+    # What trains in this process: train, and qat or the QAT quantize --auto goes on to, each
+    # in the precision its processor says (trains_in: qat's auto is fp32).
+    others = [p.trains_in for _, p in processors if getattr(p, "trains_in", None)]
+    if not others and not any(stage == "train" for stage, _ in processors):
         return
     from stages.training.precision import cap_isa_for_bf16_training
 
@@ -115,7 +117,8 @@ def _cap_isa_before_any_kernel(processors: list[Processor], precision: str | Non
             run = None
         if run is not None:
             precision = run.recorded_config("train").get("resolved_precision", precision)
-    capped = cap_isa_for_bf16_training(precision, device)
+    trained = ([precision] if any(s == "train" for s, _ in processors) else []) + others
+    capped = next(filter(None, (cap_isa_for_bf16_training(p, device) for p in trained)), None)
     if capped:
         click.echo(f"bf16 training (or, under --precision auto, timing it against fp32) on a "
                    f"CPU with AMX: oneDNN capped at {capped} in this "

@@ -165,6 +165,7 @@ def qat(ctx: click.Context, **flags) -> Processor:
         for variant in qat_stage.run(config, run):
             click.echo(f"{variant}: {run.root / run.entry(variant)['path']}")
 
+    process.trains_in = config.fine_tunes_in
     return "qat", process
 
 
@@ -186,6 +187,7 @@ def quantize(ctx: click.Context, **flags) -> Processor:
             if variant in run.artifacts():  # a search that kept nothing said so already
                 click.echo(f"{variant}: {run.root / run.entry(variant)['path']}")
 
+    process.trains_in = qat_config.fine_tunes_in if qat_config is not None else None
     return "quantize", process
 
 

@@ -5,7 +5,6 @@ Precedence: dataclass defaults < config file < command line. No torch here, so t
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -41,9 +40,7 @@ EQUALIZED_METHODS = ("torch-static", "ort-static")
 def _check_data_flags(config) -> None:
     """The flags train and import share: the data, its split and size, and the model's name."""
     choice("--dataset", config.dataset, DATASET_NAMES)
-    data_dir = expanded("--data-dir", config.data_dir)
-    if config.dataset != "digits":  # (which reads no folder) in full, as the run records it:
-        config.data_dir = os.path.abspath(data_dir)  # later stages may run from elsewhere
+    expanded("--data-dir", config.data_dir)
     if not 0.0 < config.val_fraction < 1.0:
         raise ValueError(f"--val-fraction must be between 0 and 1, got {config.val_fraction}")
     if config.in_channels is not None:
@@ -111,8 +108,6 @@ class TrainConfig:
             raise ValueError("--init-weights and --weights both name starting weights; give one")
         if self.init_weights and not expanded("--init-weights", self.init_weights).is_file():
             raise ValueError(f"--init-weights {self.init_weights!r} is not a file")
-        if self.init_weights:  # in full: a resume starts a model with none afresh from it
-            self.init_weights = os.path.abspath(expanded("--init-weights", self.init_weights))
         at_least("--workers", self.workers, 0)
         greater_than("--loader-timeout", self.loader_timeout, 0)
         at_least("--checkpoint-every", self.checkpoint_every, 0)
@@ -204,6 +199,11 @@ class QatConfig:
         at_least("--freeze-observers-after", self.freeze_observers_after, 1)
         choice("--precision", self.precision, PRECISIONS)
         choice("--device", self.device, DEVICES)
+
+    @property
+    def fine_tunes_in(self) -> str:
+        """The precision --precision gives: auto is fp32 (stages/qat.py:_precision says why)."""
+        return "fp32" if self.precision == "auto" else self.precision
 
 
 @dataclass

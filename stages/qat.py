@@ -73,7 +73,7 @@ def _precision(config) -> Precision:
     alone, so under autocast an activation that reaches one in half precision stops the
     fine-tuning: a model trained in bf16 (auto on a CPU with AVX-512 BF16) and fine-tuned under
     bf16 failed with "expected scalar type Float but found BFloat16" at its first step."""
-    return Precision("fp32" if config.precision == "auto" else config.precision)
+    return Precision(config.fine_tunes_in)
 
 
 @dataclass

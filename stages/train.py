@@ -331,7 +331,9 @@ def _set_up(config, run: Run, resume: bool) -> tuple:
     classes, channels, held = expected_shape(config)
     check_model_fits(config.model, classes, channels, config.image_size, config.batch_size,
                      device, held)
-    splits = load_splits(config)
+    # --download under torchrun: every rank writing the same archive at once corrupted it.
+    splits = distributed.main_first(lambda first: load_splits(replace(
+        config, download=config.download and first), saved.get("data")), only_if=config.download)
     chosen_by = saved.get("precision_chosen_by", "")
     if not saved:  # a resume keeps its precision, and why
         precision, chosen_by = choose_precision(config, splits, precision, device)
@@ -340,7 +342,7 @@ def _set_up(config, run: Run, resume: bool) -> tuple:
         run.record_config("train", asdict(config) | {
             "resolved_precision": precision.name, "precision_chosen_by": chosen_by,
             "resolved_device": str(device), "world_size": world.world_size, "resolved_lr": lr,
-            "lr_found_by": found_by, "recipe": recipe(config, splits)})
+            "lr_found_by": found_by, "recipe": recipe(config, splits), "data": splits.identity()})
         record_preprocessing(run, splits, config.dataset, "train")
     return device, precision, splits, replace(config, lr=lr)
 

@@ -66,8 +66,8 @@ class DataSplits:
         identity = {}
         for name in ("train", "val", "test"):
             found = members(getattr(self, name))
-            identity[name] = {"images": len(found), "sha256": hashlib.sha256(
-                "\n".join(found).encode()).hexdigest()}
+            identity[name] = {"images": len(found), "sha256": hashlib.sha256(  # a name that is
+                "\n".join(found).encode(errors="surrogateescape")).hexdigest()}  # not UTF-8 too
         return identity
 
 
@@ -170,23 +170,22 @@ def visible_folders(path: Path) -> list[Path]:
 
 
 def split_folders(root: Path) -> dict[str, Path]:
-    """An image folder's train, val and test subfolders by split ({} where its subfolders are
-    the classes). Split folders that make no usable layout are refused: read as classes,
-    train/ and valid/ had trained a two-class model of which folder an image came from."""
+    """An image folder's train, val and test subfolders by split, where it has a training
+    folder of class folders beside a val or test folder; else {} (its subfolders are the
+    classes: a class may be called train). Read as classes, train/ and valid/ had trained a
+    two-class model of which folder an image came from."""
     by_name = {p.name.lower(): p for p in visible_folders(root)}
     found = {}
     for split, names in SPLIT_NAMES.items():
         present = [by_name[name] for name in names if name in by_name]
-        if len(present) > 1:
-            raise PipelineError(f"--dataset imagefolder: {root} has both {present[0].name}/ and "
-                                f"{present[1].name}/ for the {split} split; keep one")
-        found |= {split: present[0]} if present else {}
-    if found and ("train" not in found or len(found) == 1):
-        names = ", ".join(f"{p.name}/" for p in found.values())
-        lacks = "no training folder" if "train" not in found else "no val/ or test/ beside it"
-        raise PipelineError(f"--dataset imagefolder: {root} has {names} but {lacks}; give it "
-                            f"train/ with val/ or test/, or put the class subfolders in {root}")
-    return found
+        found |= {split: present} if present else {}
+    if "train" not in found or len(found) == 1 or not visible_folders(found["train"][0]):
+        return {}
+    twice = next((paths for paths in found.values() if len(paths) > 1), None)
+    if twice:
+        raise PipelineError(f"--dataset imagefolder: {root} has both {twice[0].name}/ and "
+                            f"{twice[1].name}/ as split folders; keep one")
+    return {split: paths[0] for split, paths in found.items()}
 
 
 def expected_shape(config) -> tuple[int, int, int]:
@@ -210,16 +209,27 @@ def load_dataset(name: str, image_size: int, seed: int, **options: object) -> Da
     return lookup(DATASETS, name, "dataset")(image_size=image_size, seed=seed, **options)
 
 
-def load_splits(config) -> DataSplits:
+def load_splits(config, trained_on: dict | None = None) -> DataSplits:
     """The splits a config names: a TrainConfig, an ImportConfig, or the DataConfig a run's
-    trained model saved (stages/run/trained.py)."""
+    trained model saved (stages/run/trained.py); refused where ``trained_on``, the identity
+    recorded when the run trained (DataSplits.identity), differs: split again, a folder with a
+    file more or less moves images between the test and training splits."""
     try:
-        return load_dataset(config.dataset, image_size=config.image_size, seed=config.seed,
-                            data_dir=config.data_dir, download=config.download,
-                            val_fraction=config.val_fraction, in_channels=config.in_channels,
-                            skip_bad_images=config.skip_bad_images)
+        splits = load_dataset(config.dataset, image_size=config.image_size, seed=config.seed,
+                              data_dir=config.data_dir, download=config.download,
+                              val_fraction=config.val_fraction, in_channels=config.in_channels,
+                              skip_bad_images=config.skip_bad_images)
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
+    if trained_on is not None and (now := splits.identity()) != trained_on:
+        changed = next(s for s in ("test", "val", "train") if now[s] != trained_on[s])
+        before, after = trained_on[changed]["images"], now[changed]["images"]
+        raise PipelineError(
+            f"the data in {config.data_dir} is not what this run was trained on: its {changed} "
+            f"split held {before} images and now holds "
+            f"{after if after != before else 'as many, but others'}, so test images could be "
+            "training images; put the data back as it was, or train a new run on it")
+    return splits
 
 
 def preprocessing_spec(splits: DataSplits, dataset: str) -> dict:
@@ -251,21 +261,8 @@ def preprocessing_of_run(run) -> dict:
 
 def splits_of_run(run) -> DataSplits:
     """The data a run was trained on, rebuilt from the training config in its manifest, and
-    refused where it is not the same: quantize and report split it again, and a folder with a
-    file more or less moves images between the test and training splits."""
-    config = trained_data(run)
-    splits = load_splits(config)
-    recorded = run.entry(float_source(run)).get("data")  # runs before 2026-12-07 have none
-    if recorded is not None and (now := splits.identity()) != recorded:
-        changed = next(s for s in ("test", "val", "train") if now[s] != recorded[s])
-        before, after = recorded[changed]["images"], now[changed]["images"]
-        raise PipelineError(
-            f"the data in {config.data_dir} is not what run {run.name!r} was trained on: its "
-            f"{changed} split held {before} images and now holds "
-            f"{after if after != before else 'as many, but others'}, so test images could be "
-            "training images; put the data back as it was, or train a new run on it")
-    return splits
-
+    refused where it changed since (runs before 2026-12-07 recorded no identity)."""
+    return load_splits(trained_data(run), run.entry(float_source(run)).get("data"))
 
 
 # The torchvision data sets and image folders register themselves on import.

@@ -71,6 +71,14 @@ def _user_factory(name: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
         return getattr(module, attribute)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name != exc.name and not module_name.startswith(exc.name + "."):
+            # found, but what it imports is not installed: the advice below would mislead
+            raise PipelineError(f"--model {name}: {module_name} imports {exc.name!r}, which is "
+                                "not installed here; install it") from None
+        raise PipelineError(f"--model {name}: cannot import it ({type(exc).__name__}: {exc}); "
+                            "run from the folder that holds the module or install it, so that "
+                            f"'import {module_name}' works") from None
     except (ImportError, AttributeError) as exc:
         raise PipelineError(f"--model {name}: cannot import it ({type(exc).__name__}: {exc}); "
                             "run from the folder that holds the module or install it, so that "
@@ -90,9 +98,25 @@ def _call_factory(name: str, factory: Callable, num_classes: int, in_channels: i
     if "num_classes" not in arguments:
         raise PipelineError(f"--model {name}: the factory must take a num_classes keyword "
                             "(and may take in_channels and image_size)")
-    model = factory(**arguments)
     import torch
 
+    try:
+        model = factory(**arguments)
+    except (TypeError, AttributeError, KeyError, NameError) as exc:
+        # A bug in the factory, said as such (it had been reported as failing at every size),
+        # where it fails on the CPU too: on the meta device (check_model_fits) a factory that
+        # reads its tensors' values fails alone, and the probes go on without it.
+        if torch.empty(0).is_meta:
+            try:
+                with torch.device("cpu"):
+                    factory(**arguments)
+            except type(exc):
+                pass
+            else:
+                raise exc
+        given = ", ".join(f"{k}={v}" for k, v in arguments.items())
+        raise PipelineError(f"--model {name}: {name.partition(':')[2]}({given}) raised "
+                            f"{type(exc).__name__}: {exc}; fix the factory") from None
     if not isinstance(model, torch.nn.Module):
         raise PipelineError(f"--model {name}: the factory returned {type(model).__name__}, "
                             "not a torch.nn.Module")

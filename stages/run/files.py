@@ -81,14 +81,15 @@ def converter_errors(converter: str, path: Path | None = None) -> Iterator[None]
     """What a converter or runtime raises of its own while it makes a variant (its own types,
     a RuntimeError from native code) as NotMade: it cannot take this model, which costs the
     variant and what is made from it, not the stage. Ours (a full disk, a refused file) and a
-    write the operating system refused (``path``'s disk) stay the stage's."""
+    write the operating system refused (on ``path``'s disk, else the temporary folder's, where
+    Inductor and the exporters keep their files) stay the stage's. Wrap the runtime's own
+    calls alone: our code's errors inside would read as the model's."""
     try:
         yield
     except PipelineError:
         raise
     except Exception as exc:
-        if path is not None:
-            raise_if_disk_failure(exc, path)
+        raise_if_disk_failure(exc, path or Path(tempfile.gettempdir()) / converter)
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         raise NotMade(f"{converter} failed: {first}") from exc
 

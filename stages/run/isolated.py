@@ -15,6 +15,7 @@ import importlib
 import multiprocessing
 import os
 import signal
+import threading
 from typing import Any
 
 # Set beside ONEDNN_MAX_CPU_ISA by the one place that caps it for training
@@ -83,8 +84,11 @@ class _Worker:
         request, self.requests = context.Pipe(duplex=False)
         # Not a daemon: a daemonic process may not start processes of its own (Inductor's
         # compile workers may); stop() ends it, at this process's exit too.
+        # The kernel's signal at the parent's death comes when the thread that started the
+        # child ends: from any thread but the main one, that is not the parent's death.
+        watched = os.getpid() if threading.current_thread() is threading.main_thread() else None
         self.process = context.Process(target=_serve, args=(request, answer, self.buffer,
-                                                            os.getpid()))
+                                                            watched))
         with _environment(dict(key[0])):
             self.process.start()
         request.close()
@@ -196,10 +200,11 @@ def _environment(wanted: dict[str, str]):
     return swapped()
 
 
-def _serve(requests, answers, buffer, parent: int) -> None:
+def _serve(requests, answers, buffer, parent: int | None) -> None:
     """The child's loop: each request's (ok, value) sent back, until the parent says stop or
     goes."""
-    _end_with(parent)
+    if parent is not None:
+        _end_with(parent)
     while True:
         try:
             request = requests.recv()

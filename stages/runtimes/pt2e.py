@@ -221,9 +221,9 @@ def quantize_pt2e(model, spec: dict, options: dict, calibration, float_layers=()
              else export_graph(copy.deepcopy(model), spec))
     if options.get("float_depthwise"):
         float_layers = (*float_layers, *depthwise_names(model))
+    quantizer = make_quantizer(options, float_layers)
     with converter_errors("torchao's PT2E quantization"):
-        prepared = quantize_pt2e_module.prepare_pt2e(graph, make_quantizer(options,
-                                                                           float_layers))
+        prepared = quantize_pt2e_module.prepare_pt2e(graph, quantizer)
         with torch.inference_mode():
             for batch in calibration:
                 prepared(batch)

@@ -117,13 +117,13 @@ def make_bf16_compiled(ctx) -> dict:
             compiled = inductor.compiled_once(
                 ctx.run.entry(ctx.source)["sha256"], "float-bf16",
                 lambda: autocast_module(copy.deepcopy(model), "bf16"))
-            record = ctx.score_without_search(
-                "amp-compiled", functools.partial(inductor.predict_compiled, compiled),
-                lambda images: predict(model, images), ctx.source, {"autocast": "bf16"})
+            counts = inductor.compiled_counts(compiled, images[:inductor.COMPILED_BATCH])
+        record = ctx.score_without_search(
+            "amp-compiled", functools.partial(inductor.predict_compiled, compiled),
+            lambda images: predict(model, images), ctx.source, {"autocast": "bf16"})
         if record["chosen"] is None:
             ctx.not_kept("amp-compiled", record)
             return
-        counts = inductor.compiled_counts(compiled, images[:inductor.COMPILED_BATCH])
         info.update(tuning=record, parity_vs_source=compare_logits(
             predict(model, images), inductor.predict_compiled(compiled, images)))
         ctx.register("amp-compiled", ctx.run.verified_path(ctx.source), info, fmt="pytorch",

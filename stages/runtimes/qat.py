@@ -84,12 +84,12 @@ def make_ort_qat(ctx, tuned: FineTuned) -> dict | None:
     except PipelineError as exc:
         ctx.say(f"qat: ort-qat not made: {exc}")
         return None
+    completed = qdq_onnx.complete_for_onnx_runtime(path, calibration_batches(
+        ctx.splits, qdq_onnx.RESIDUAL_CALIBRATION_IMAGES, 64, ctx.config.seed))
     reference = ctx.logits_of("torch-qat", images)
     with converter_errors("ONNX Runtime", path):
-        completed = qdq_onnx.complete_for_onnx_runtime(path, calibration_batches(
-            ctx.splits, qdq_onnx.RESIDUAL_CALIBRATION_IMAGES, 64, ctx.config.seed))
-        parity = parity_with_torch_qat("ort-qat", reference,
-                                       ort_predict(ort_session(path, threads=1), images))
+        logits = ort_predict(ort_session(path, threads=1), images)
+    parity = parity_with_torch_qat("ort-qat", reference, logits)
     if parity["top1_agreement"] < PARITY_MIN_AGREEMENT:
         cause = qdq_onnx.bias_rounding_cause(path, reference, images)
         path.unlink()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 _alone = False  # rank 0 working by itself while the other ranks have gone (see alone())
 
@@ -73,6 +73,20 @@ def broadcast(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def main_first(work: Callable[[bool], Any], only_if: bool = True) -> Any:
+    """``work(True)`` on each machine's first rank, then ``work(False)`` on its other ranks
+    once every first rank returned: files a first rank writes to its machine's disk (a
+    download) are read, not written by every rank at once. Where a first rank fails, torchrun
+    stops the ranks that wait. Not ``only_if``: every rank at once, ``work(True)``."""
+    world = current()
+    if not world.active or not only_if:
+        return work(True)
+    first = world.local_rank == 0
+    done = work(True) if first else None
+    broadcast(None)  # the other ranks wait here until the first ones are done
+    return done if first else work(False)
 
 
 def all_gather(value: Any) -> list[Any]:

@@ -70,3 +70,26 @@ def test_the_process_group_and_the_cap_follow_trains_own_device(tmp_path, monkey
     chain.run_chain([("train", train)], tmp_path, run.name, device="auto", quiet=True,
                     resume=True, train_precision="bf16")
     assert devices == ["cpu", "cpu"]
+
+
+@pytest.mark.parametrize("args, asked", [
+    (["qat"], ["fp32"]),  # qat's auto fine-tunes in fp32: no cap (it had capped as train's auto)
+    (["qat", "--precision", "bf16"], ["bf16"]),
+    (["quantize", "--auto"], ["fp32"]),  # the QAT --auto may go on to, in this process
+    (["quantize"], []),
+])
+def test_the_cap_follows_what_each_training_stage_trains_in(tmp_path, monkeypatch, args,
+                                                               asked):
+    """oneDNN's AMX cap for bf16 training was decided from train's precision alone: qat on its
+    own was capped for an fp32 fine-tuning, and a bf16 QAT under quantize --auto was not."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+    from stages.training import precision
+
+    seen = []
+    monkeypatch.setattr(precision, "cap_isa_for_bf16_training",
+                        lambda name, device: seen.append(name))
+    result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), *args])
+    assert result.exit_code == 2 and "no run in" in result.stderr  # refused after the cap
+    assert seen == asked

@@ -85,8 +85,8 @@ def _validation_scores(monkeypatch, scores: list[float]) -> None:
         right = round(next(remaining) * len(dataset))
         return torch.arange(len(dataset)) < right
 
-    def load(config):
-        splits = real_load(config)
+    def load(config, trained_on=None):
+        splits = real_load(config, trained_on)
         splits_val.append(splits.val)
         return splits
 

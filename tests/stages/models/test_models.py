@@ -117,6 +117,28 @@ def test_a_users_factory_gets_the_keywords_it_declares(tmp_path, monkeypatch):
         build_model("missing_module:net", 7, 1, 8)
 
 
+def test_a_users_factory_that_raises_or_imports_what_is_missing_is_named_as_such(
+        tmp_path, monkeypatch):
+    """A factory that forwards in_channels to a class without it had been reported as failing
+    "at every size from 8 to 299" (after eleven more builds), and a module whose own import
+    is missing as one to run from its folder."""
+    (tmp_path / "forwarding_nets.py").write_text(
+        "import torch.nn as nn\n"
+        "class Net(nn.Linear):\n    def __init__(self, num_classes):\n"
+        "        super().__init__(4, num_classes)\n"
+        "def forwards(num_classes, **options):\n    return Net(num_classes, **options)\n")
+    (tmp_path / "needs_timm.py").write_text("import not_installed_here\ndef net(num_classes):"
+                                            "\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PipelineError, match=r"^--model forwarding_nets:forwards: forwards\(num_classes=7, "
+                                            r"in_channels=1, image_size=8\) raised TypeError: .*; "
+                                            r"fix the factory$"):
+        check_model_fits("forwarding_nets:forwards", 7, 1, 8, 64, CPU)
+    with pytest.raises(PipelineError, match=r"^--model needs_timm:net: needs_timm imports "
+                                            r"'not_installed_here', which is not installed here"):
+        build_model("needs_timm:net", 7, 1, 8)
+
+
 @pytest.mark.parametrize("name, size, needle", [
     ("vit_b_16", 32, "it trains at --image-size 224"),
     ("alexnet", 32, "it trains at --image-size 64,"),

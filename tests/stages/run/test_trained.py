@@ -61,23 +61,18 @@ def test_the_float_source_is_amp_else_an_imported_fp32():
         float_source(_Run({"onnx-fp32": {}}))
 
 
-def test_a_run_records_its_files_in_full_and_a_resume_without_them_says_which(tmp_path,
-                                                                              monkeypatch):
-    """Relative paths had meant another folder when quantize or a resume ran from elsewhere,
-    and a moved --init-weights file failed the resume with a ValueError naming a flag it
-    refuses."""
+def test_a_resume_whose_start_file_is_gone_says_which_as_a_usage_error(tmp_path, monkeypatch):
+    """A moved --init-weights file failed the resume with a ValueError naming a flag --resume
+    refuses (a model with no checkpoint starts afresh from that file)."""
     from stages.run import artifacts
     from stages.run.trained import resumed_config
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "start.pt").write_bytes(b"weights")
-    config = TrainConfig(model="smallcnn", dataset="imagefolder", data_dir="photos",
-                         init_weights="start.pt")
-    assert (config.data_dir, config.init_weights) == (str(tmp_path / "photos"),
-                                                      str(tmp_path / "start.pt"))
+    config = TrainConfig(model="smallcnn", init_weights="start.pt")
     run = artifacts.create_run(tmp_path / "artifacts", "r")
     run.record_config("train", dataclasses.asdict(config))
     (tmp_path / "start.pt").unlink()
-    with pytest.raises(UsageError, match=rf"run 'r' cannot resume as it was started: "
-                                         rf"--init-weights '{tmp_path}/start.pt' is not a file"):
+    with pytest.raises(UsageError, match=r"^run 'r' cannot resume as it was started: "
+                                         r"--init-weights 'start.pt' is not a file; put it back"):
         resumed_config(TrainConfig(), run, world_size=1)

@@ -1,0 +1,25 @@
+"""What ranks do in turn (stages/training/distributed.py); the ranks themselves are tested in
+tests/pipeline/test_resume_and_distributed.py."""
+import pytest
+
+from stages.training import distributed
+
+
+@pytest.mark.parametrize("rank, local_rank, expected", [
+    (0, 0, ["work(first=True)", "wait for rank 0"]),
+    (1, 1, ["wait for rank 0", "work(first=False)"]),
+    (2, 0, ["work(first=True)", "wait for rank 0"]),  # another machine's first rank
+])
+def test_each_machines_first_rank_works_first_and_the_others_after_it(monkeypatch, rank,
+                                                                      local_rank, expected):
+    """torchrun ... train --download had every rank write the same archive at once."""
+    done = []
+    monkeypatch.setattr(distributed, "current", lambda: distributed.World(
+        rank=rank, world_size=4, local_rank=local_rank))
+    monkeypatch.setattr(distributed, "broadcast", lambda value: done.append("wait for rank 0"))
+    result = distributed.main_first(lambda first: done.append(f"work(first={first})") or rank)
+    assert done == expected and result == rank
+
+
+def test_a_single_process_works_once():
+    assert distributed.main_first(lambda first: first) is True
