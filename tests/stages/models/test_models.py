@@ -130,9 +130,9 @@ def test_a_users_factory_that_raises_or_imports_what_is_missing_is_named_as_such
     (tmp_path / "needs_timm.py").write_text("import not_installed_here\ndef net(num_classes):"
                                             "\n    pass\n")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(PipelineError, match=r"^--model forwarding_nets:forwards: forwards\(num_classes=7, "
-                                            r"in_channels=1, image_size=8\) raised TypeError: .*; "
-                                            r"fix the factory$"):
+    with pytest.raises(PipelineError, match=r"^--model forwarding_nets:forwards: forwards\("
+                                            r"num_classes=7, in_channels=1, image_size=8\) "
+                                            r"raised TypeError: .*; fix the factory$"):
         check_model_fits("forwarding_nets:forwards", 7, 1, 8, 64, CPU)
     with pytest.raises(PipelineError, match=r"^--model needs_timm:net: needs_timm imports "
                                             r"'not_installed_here', which is not installed here"):
