@@ -5,6 +5,7 @@ Precedence: dataclass defaults < config file < command line. No torch here, so t
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -334,12 +335,17 @@ class PredictConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        self.paths = tuple(self.paths)
+        # '~' expanded where the shell left it (a quoted "~/My Photos"): checked and read alike.
+        self.paths = tuple(str(expanded("PATH", path)) for path in self.paths)
         if not self.paths:
             raise ValueError("predict needs image files or folders: pipeline predict PATH...")
         for path in self.paths:
-            if not expanded("PATH", path).exists():
-                raise ValueError(f"{path} does not exist; give image files or folders")
+            try:
+                os.stat(path)
+            except FileNotFoundError:
+                raise ValueError(f"{path} does not exist; give image files or folders") from None
+            except OSError as exc:  # too long a name, a folder this user cannot enter
+                raise ValueError(f"{path}: {exc.strerror}; give image files or folders") from None
         at_least("--top-k", self.top_k, 1)
         at_least("--batch-size", self.batch_size, 1)
         at_least("--threads", self.threads, 0)

@@ -198,13 +198,14 @@ def _end_epoch(model: Model, budget: float | None, epoch: int, record: dict,
 def train_variant(variant: str, precision: Precision, splits: DataSplits, config, run: Run,
                   device, resume: bool = False, baseline_epochs: int = 0,
                   budget: float | None = None) -> TrainResult:
-    """Train one model (or continue it) and write checkpoints, metrics.jsonl and model.pt.
-    It ends at --epochs, once validation accuracy has not improved for --patience epochs, or
-    at the epochs that fit ``budget`` seconds at the pace measured so far."""
+    """Train one model (or continue it), writing checkpoints, metrics.jsonl and model.pt, to
+    --epochs, a --patience plateau, or the epochs that fit ``budget`` seconds at its pace."""
     model = _start(variant, precision, splits, config, run, device, resume, baseline_epochs)
     memory = PeakMemory(device) if device.type == "cuda" else contextlib.nullcontext()
+    totals = model.loop.totals  # a resume keeps the share it started with (its checkpoint's)
+    totals.budget = budget if totals.budget is None else totals.budget
     with memory:
-        fit(model.loop, _hooks(model, budget))
+        fit(model.loop, _hooks(model, totals.budget))
     return _finish(model, memory)
 
 

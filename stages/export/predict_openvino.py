@@ -9,8 +9,13 @@ import json
 import sys
 from pathlib import Path
 
-import predict_loop
-import preprocess
+try:  # numpy and Pillow first: one missing is one line naming what to install
+    import predict_loop
+    import preprocess
+except ImportError as missing:
+    sys.exit(f"predict.py: this model needs {missing.name}, which cannot be imported here: pip "
+             "install " + " ".join(json.loads((Path(__file__).resolve().parent /
+                                               "manifest.json").read_text())["requires"]))
 
 HERE = Path(__file__).resolve().parent
 

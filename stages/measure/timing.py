@@ -238,6 +238,18 @@ def within_noise(interval: dict) -> bool:
     return interval["low"] <= 1.0 <= interval["high"]
 
 
+def against(interval: dict, what: str, itself: bool = False) -> str:
+    """A speed-up in words that claim no more than its interval: "faster" only where the
+    interval excludes 1 (the report had said "1.02x (0.96-1.09) faster"); ``itself``: the
+    variant is ``what``."""
+    if itself:
+        return f"it is {what}"
+    figure = f"{interval['ratio']:.2f}x ({interval['low']:.2f}–{interval['high']:.2f})"
+    if within_noise(interval):
+        return f"{figure} against {what}, within noise: not measurably faster"
+    return f"{figure} {'faster' if interval['low'] > 1 else 'slower'} than {what}"
+
+
 def narrow_enough(reference_names: set[str], target: float,
                   resamples: int = 400) -> Callable[[dict[str, Timing]], bool]:
     """A ``done`` test for interleaved: every variant's speed-up against the fastest of

@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from stages.measure import contention, machine
+from stages.measure.timing import within_noise
 from stages.report import plots, profile
 from stages.report.compare import compare_markdown
 from stages.report.diagnosis import (
@@ -205,9 +206,11 @@ def summary_table(report: dict) -> str:
                      + f"{ratio:>14.2f}x")
     for v in (v for v in (report["verdict"], report["verdict"].get("gpu"))
               if v and v["recommended"]):
+        vs_float = v["per_batch_size"][str(v["batch_size"])]["speedup_vs_best_float"]
         lines.append(f"recommended on the {v.get('device', 'cpu').upper()}: {v['recommended']} "
-                     f"({v['speedup']:.2f}x faster than {v['reference']}, "
-                     f"{v['speedup_vs_best_float']:.2f}x the fastest float, "
+                     f"({v['speedup']:.2f}x {v['reference']}'s speed, "
+                     f"{v['speedup_vs_best_float']:.2f}x the fastest float"
+                     + (" (within noise), " if within_noise(vs_float) else ", ")
                      + (f"{v['speedup_vs_best_fp32']:.2f}x the fastest fp32, "
                         if v.get("speedup_vs_best_fp32") and v["speedup_vs_best_fp32"]
                         != v["speedup_vs_best_float"] else "") +

@@ -3,18 +3,16 @@ from __future__ import annotations
 
 from stages import runtimes
 from stages.measure import contention
+from stages.measure.timing import against
 from stages.quantization import tuning
 from stages.report import profile
 from stages.report.diagnosis import depthwise_in_float_why
 from stages.report.judging import BASELINE_WORDS, SELECTION_WORDS, VALIDATION_WORDS
+from stages.runtimes.gpu import REFERENCE as GPU_REFERENCE
 
 
 def _ratio(r: dict) -> str:
     return f"{r['ratio']:.2f}x ({r['low']:.2f}–{r['high']:.2f})"
-
-
-def _pct_interval(low: float, high: float) -> str:
-    return f"{low:.1%}–{high:.1%}"
 
 
 def _verdict_paragraph(report: dict) -> list[str]:
@@ -35,9 +33,9 @@ def _verdict_paragraph(report: dict) -> list[str]:
         f"confidence ({judged['samples']} for it: {where}; "
         f"{v['validation_change_points']:+.2f} points, at worst "
         f"{v['validation_worst_change_points']:+.2f}), it has the lowest p50 latency: "
-        f"{_ratio(big['speedup_vs_best_float'])} faster than the "
-        f"fastest float variant, `{big['best_float']}`, " + _fp32_clause(big) +
-        f"{_ratio(big['speedup_vs_reference'])} faster than `{ref}` eager, at "
+        + against(big["speedup_vs_best_float"], f"the fastest float variant, `{big['best_float']}`",
+                  itself=big["best_float"] == v["recommended"]) + ", " + _fp32_clause(big) +
+        against(big["speedup_vs_reference"], f"`{ref}` eager") + f", at "
         f"{v['size_ratio']:.2f}x its size. On the test split, which chose nothing, it scores "
         f"{v['test_accuracy']:.2%}, {v['accuracy_change_points']:+.2f} points against `{ref}` "
         f"(95% interval {low:+.2f} to {high:+.2f}, {noise}).", ""]
@@ -80,8 +78,8 @@ def _fp32_clause(choice: dict) -> str:
     vs_fp32 = choice.get("speedup_vs_best_fp32")
     if not vs_fp32 or vs_fp32["best_fp32"] == choice["best_float"]:
         return "and "
-    return (f"{_ratio(vs_fp32)} faster than the fastest fp32 variant, `{vs_fp32['best_fp32']}`, "
-            "and ")
+    return (against(vs_fp32, f"the fastest fp32 variant, `{vs_fp32['best_fp32']}`",
+                    itself=vs_fp32["best_fp32"] == choice["recommended"]) + ", and ")
 
 
 def _timing_caveat(record: dict | None) -> list[str]:
@@ -90,12 +88,13 @@ def _timing_caveat(record: dict | None) -> list[str]:
     if not record or record["clean"]:
         return []
     disturbed = [s for s in record["sessions"] if not s["clean"]]
-    title = ("Timed on a busy machine" if any(s["busy"] for s in disturbed)
-             else "Timed in unsteady rounds")
+    busy, unsteady = (any(s[key] for s in disturbed) for key in ("busy", "unstable"))
+    title = ("Timed on a busy machine" if busy else "Timed in unsteady rounds" if unsteady
+             else "Timed beside this process's own busy threads")  # a quieter machine won't do
+    again = (" Measure them again on a quiet machine (`pipeline report` on this run) before "
+             "trusting the speed-ups and the choice made on them." if busy or unsteady else "")
     return [f"**{title}: these latencies are not clean figures.** "
-            + " ".join(contention.describe(s, record) for s in disturbed)
-            + " Measure them again on a quiet machine (`pipeline report` on this run) before "
-            "trusting the speed-ups and the choice made on them.", ""]
+            + " ".join(contention.describe(s, record) for s in disturbed) + again, ""]
 
 
 def _quiet_sentence(record: dict | None) -> str:
@@ -121,14 +120,14 @@ def _epochs_cut(fine_tuned: dict | None) -> str:
 
 
 def _models_table(report: dict) -> list[str]:
-    ref = report["reference"]
-    rows = report["models"]
+    ref, rows = report["reference"], report["models"]
     by_name = {r["name"]: r for r in rows}
     sizes = [str(b) for b in report["config"]["batch_sizes"]]
     big = sizes[-1]
     head = ["variant", "device", "runs as", "size (MB)", f"size vs `{ref}`"]
     head += [f"p50 / p90 ms (batch {b})" for b in sizes]
-    head += [f"vs `{ref}` on its device (batch {big})",
+    gpu = f" (GPU rows: `{GPU_REFERENCE}`)" if any(r.get("device") == "cuda" for r in rows) else ""
+    head += [f"vs `{ref}`{gpu} eager (batch {big})",
              f"vs fastest float on its device (batch {big})",
              "held-out accuracy (images)", "test accuracy (95% CI)",
              "test change in points (95% CI)",
@@ -143,7 +142,7 @@ def _models_table(report: dict) -> list[str]:
                   for b in sizes]
         cells += [_ratio(r["speedup_vs_reference"][big]), _ratio(r["speedup_vs_best_float"][big]),
                   f"{r['validation']['accuracy']:.2%} ({r['validation']['samples']})",
-                  f"{r['accuracy']:.2%} ({_pct_interval(*r['accuracy_ci95'])})",
+                  f"{r['accuracy']:.2%} ({r['accuracy_ci95'][0]:.1%}–{r['accuracy_ci95'][1]:.1%})",
                   "reference" if r["name"] == ref else
                   f"{change['difference'] * 100:+.2f} ({change['low'] * 100:+.2f} to "
                   f"{change['high'] * 100:+.2f})",
@@ -255,26 +254,26 @@ def amp_sentence(training: dict, rows: list[dict]) -> str:
     if "fp32" not in training or "amp" not in training:
         return "Train with the fp32 baseline to compare AMP training against fp32."
     fp32, amp = training["fp32"], training["amp"]
-    smallest = min(rows, key=lambda r: r["size_bytes"])
+    int8 = min((r for r in rows if r.get("precision") == "int8"), key=lambda r: r["size_bytes"],
+               default=None)  # not a float row, which shrinks nothing
+    shrinks = (f"quantization is what shrinks the model (`{int8['name']}`: "
+               f"{int8['size_bytes'] / fp32['model_bytes']:.2f}x)" if int8 else
+               "quantization would shrink it (no int8 variant was made)")
     if fp32.get("same_run_as") == "amp":
         measured = amp.get("precision_chosen_by", "").partition("auto, measured: ")[2]
         why = (f"--precision auto measured {measured}" if measured else
                "autocast resolved to fp32: a CPU without bf16 instructions, or --precision fp32")
         return (f"`amp` trained in fp32 here ({why}), so it is the fp32 baseline's computation "
                 f"and was trained once; `fp32` is a copy of it. Its master weights are fp32 "
-                f"either way ({amp['model_bytes'] / 1e6:.2f} MB); quantization is what shrinks "
-                f"the model (`{smallest['name']}`: "
-                f"{smallest['size_bytes'] / fp32['model_bytes']:.2f}x). Train with --precision "
-                "bf16 to compare mixed-precision training on this machine.")
-    memory = ""
-    if fp32["peak_memory_bytes"] and amp["peak_memory_bytes"]:
-        memory = (f" Training memory: {amp['peak_memory_bytes'] / 1e6:.0f} MB against "
-                  f"{fp32['peak_memory_bytes'] / 1e6:.0f} MB.")
+                f"either way ({amp['model_bytes'] / 1e6:.2f} MB); {shrinks}. Train with "
+                "--precision bf16 to compare mixed-precision training on this machine.")
+    memory = (f" Training memory: {amp['peak_memory_bytes'] / 1e6:.0f} MB against "
+              f"{fp32['peak_memory_bytes'] / 1e6:.0f} MB."
+              if fp32["peak_memory_bytes"] and amp["peak_memory_bytes"] else "")
     return (f"AMP training ({amp['precision']}) saved a model of {amp['model_bytes'] / 1e6:.2f} MB "
             f"against fp32's {fp32['model_bytes'] / 1e6:.2f} MB: its master weights are fp32, "
-            f"so mixed precision does not shrink the saved model; quantization does "
-            f"(`{smallest['name']}`: {smallest['size_bytes'] / fp32['model_bytes']:.2f}x). It "
-            f"trained at {amp['samples_per_second']:.0f} samples/s against fp32's "
+            f"so mixed precision does not shrink the saved model; {shrinks}. It trained at "
+            f"{amp['samples_per_second']:.0f} samples/s against fp32's "
             f"{fp32['samples_per_second']:.0f} "
             f"({amp['samples_per_second'] / max(fp32['samples_per_second'], 1e-9):.2f}x)."
             + memory)
@@ -372,8 +371,9 @@ def _gpu_paragraph(report: dict) -> list[str]:
                  f"{v['why']}.", ""] if v else []) + notes
     big = v["per_batch_size"][str(v["batch_size"])]
     return [f"**On the GPU** ({report['environment'].get('gpu')}), for batches of "
-            f"{v['batch_size']}: `{v['recommended']}`, {_ratio(big['speedup_vs_reference'])} "
-            f"faster than `{v['reference']}` and {_ratio(big['speedup_vs_best_float'])} "
+            f"{v['batch_size']}: `{v['recommended']}`, " + against(big["speedup_vs_reference"],
+            f"`{v['reference']}`", itself=v["reference"] == v["recommended"])
+            + f", and {_ratio(big['speedup_vs_best_float'])} "
             f"against the fastest float there, `{big['best_float']}`; "
             f"{v['accuracy_change_points']:+.2f} points against `{report['reference']}` on "
             "the test split. GPU rows are compared with GPU rows only.", ""] + notes

@@ -22,6 +22,7 @@ KERNELS = {
                          r"(?:extern_kernels\.|aoti_torch_cpu_)(?:mm|addmm|bmm|baddbmm)(?:_out)?\()",
 }
 COMPILED_BATCH = 32  # compiled models predict in batches of this size: one graph to build
+RECOMPILE_LIMIT = 64  # graphs a compiled model may build, one per input shape
 
 
 # Inductor's C++ wrapper calls the kernels from C++ rather than from generated Python: on
@@ -69,11 +70,22 @@ def compile_module(module):
     import torch._inductor.config as inductor_config
 
     inductor_config.freezing = True
+    graph_per_shape()
     _stable_wrapper_source()
     # Inductor's own int8 lowering copies a tensor the way it tells others not to.
     warnings.filterwarnings("ignore", message="To copy construct from a tensor",
                             category=UserWarning, module=r"torch\._inductor")
     return torch.compile(module, dynamic=False, options=COMPILE_OPTIONS)
+
+
+def graph_per_shape() -> None:
+    """Let a compiled model build a graph for each batch size it meets: past Dynamo's limit of
+    8 a new size had run eager without a word (9 --batch-sizes, or the GPU rows' scoring sizes
+    beside theirs) and been timed as compiled; past ours it fails instead."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+    dynamo_config.fail_on_recompile_limit_hit = True
 
 
 # Compiled models kept for the life of the process, keyed by the sha256 of the file they came

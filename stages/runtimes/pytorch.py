@@ -374,6 +374,7 @@ def serve(run, name: str, device: str = "cpu"):
         if device == "cuda" or how.channels_last:  # as training ran; cuDNN wants NHWC too
             model = model.to(memory_format=torch.channels_last)
         if how.compiled:
+            inductor.graph_per_shape()
             model = torch.compile(model, dynamic=False)
     return model, how.context(torch.device(device).type), how
 

@@ -150,7 +150,6 @@ class EpochSums:
 @dataclass
 class Totals:
     """What one model's training has come to so far."""
-
     skipped: int = 0  # optimizer steps GradScaler skipped
     seconds: float = 0.0  # in optimizer steps
     samples: int = 0  # images trained on
@@ -162,6 +161,7 @@ class Totals:
     planned_epochs: int | None = None  # where a time plan cut the epochs
     stopped: str = ""  # why training ended (epochs, time, plateau); "": it goes on
     plateau: str = ""  # where a plateau cut the schedule short (plans.anneal_on_plateau)
+    budget: float | None = None  # --time seconds given when it started: a resume keeps them
 
 
 class DeviceSums:

@@ -275,6 +275,14 @@ def test_an_exported_folder_runs_with_onnxruntime_numpy_and_pillow_alone(tiny_ru
     assert no_runtime.stderr == (
         "predict.py: this model needs onnxruntime, which cannot be imported here (No module "
         "named 'onnxruntime'): pip install onnxruntime numpy pillow\n")
+    # Nor without Pillow, which onnxruntime does not pull in (it had been a traceback).
+    no_pillow = _only_onnxruntime_numpy_pillow(tmp_path / "nopil", ("onnxruntime", "numpy",
+                                                                     "numpy.libs"))
+    without = subprocess.run([str(no_pillow), str(out / "predict.py"), str(paths[0])],
+                             capture_output=True, text=True, timeout=120)
+    assert (without.returncode, without.stderr) == (1, (
+        "predict.py: this model needs PIL, which cannot be imported here: pip install "
+        "onnxruntime numpy pillow\n"))
     # An export never writes over a folder that holds anything.
     again = _invoke("--artifacts-dir", str(run.artifacts_dir), "--run", run.name, "export",
                     str(out))

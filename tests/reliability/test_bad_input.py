@@ -274,3 +274,13 @@ def test_a_home_directory_that_does_not_exist_is_a_usage_error(field, flag):
     property test above in CI)."""
     with pytest.raises(ValueError, match=f"^{flag} '~0': '~' names no user"):
         cfg.TrainConfig(model="smallcnn", **{field: "~0"})
+
+
+def test_predict_reads_a_quoted_tilde_path_as_it_checked_it(tmp_path, monkeypatch):
+    """'~/My Photos' in quotes reaches us unexpanded: it was checked expanded and read as
+    given, so the folder was taken for one missing file."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "My Photos").mkdir()
+    assert cfg.PredictConfig(paths=("~/My Photos",)).paths == (str(tmp_path / "My Photos"),)
+    with pytest.raises(ValueError, match=r"File name too long; give image files or folders"):
+        cfg.PredictConfig(paths=("x" * 300 + ".png",))  # an OSError, not only a missing file

@@ -12,6 +12,7 @@ import torch
 from pipeline.config import ReportConfig
 from stages import report
 from stages.measure import contention, machine, timing
+from stages.measure.timing import against
 from stages.report import diagnosis, judging, measuring, plots, profile, recommendation
 from stages.report.markdown import markdown
 from tests.conftest import ALL_VARIANTS, TINY_REPORT
@@ -107,6 +108,15 @@ def test_a_bf16_float_variant_is_the_fastest_float_and_the_fastest_fp32_is_named
     assert v["speedup_vs_best_fp32"] == pytest.approx(2.5)
     assert "2.50x (2.50–2.50) faster than the fastest fp32 variant, `onnx-fp32`" in (
         _fp32_clause(choice))
+    # Within noise of the fastest float: never called faster (it had read "1.02x (0.96–1.09)
+    # faster"), in report.md's verdict and in the line pipeline report prints.
+    tie = {"ratio": 1.02, "low": 0.96, "high": 1.09}
+    assert against(tie, "the fastest float variant, `onnx-fp32`") == (
+        "1.02x (0.96–1.09) against the fastest float variant, `onnx-fp32`, within noise: not "
+        "measurably faster")
+    assert against(tie, "`onnx-fp32`", itself=True) == "it is `onnx-fp32`"
+    assert against({"ratio": 0.8, "low": 0.7, "high": 0.9}, "`amp`") == (
+        "0.80x (0.70–0.90) slower than `amp`")
     fp32_only = [r for r in rows if r["name"] != "openvino-bf16"]  # no bf16: one figure
     recommendation.speedups(fp32_only, "fp32", 1.0)
     assert _fp32_clause(recommendation.verdict(fp32_only, "fp32", 1.0)["per_batch_size"][
@@ -431,10 +441,9 @@ def test_report_markdown_says_what_it_chose_on_and_what_it_measured(tiny_run):
             f"{v['validation_worst_change_points']:+.2f})") in markdown_text
     assert ("No GPU: GPU rows not measured (PyTorch finds no CUDA device here)."
             in markdown_text) != torch_has_cuda()
-    assert (f"{big['speedup_vs_best_float']['ratio']:.2f}x "
-            f"({big['speedup_vs_best_float']['low']:.2f}–"
-            f"{big['speedup_vs_best_float']['high']:.2f}) faster than the fastest float "
-            f"variant, `{big['best_float']}`") in markdown_text
+    assert against(big["speedup_vs_best_float"], f"the fastest float variant, "
+                   f"`{big['best_float']}`", itself=big["best_float"] == v["recommended"]
+                   ) in markdown_text
     assert (f"it scores {v['test_accuracy']:.2%}, {v['accuracy_change_points']:+.2f} points "
             "against `amp`") in markdown_text
     assert "At batch " not in markdown_text  # one batch size: no other to speak of

@@ -209,21 +209,22 @@ def test_batchnorm_statistics_are_recomputed_from_training_images():
 
 
 def test_a_plateau_cuts_the_schedule_to_end_patience_epochs_on(tmp_path, monkeypatch):
-    """Validation best at epoch 1, then worse: with --patience 2 the plateau at epoch 3 of 8
-    cuts the cosine to end with epoch 5 (annealed, epoch 4 is the best), says why, and the
+    """Validation best at epoch 1, then worse: with --patience 2 a plateau in the plan's first
+    half (epochs 3 and 4 of 10, the rate above half its peak) goes on; at epoch 5 it cuts the
+    cosine to end with epoch 7 (epoch 6 is the best, within noise of 7), says why, and the
     learning rate of the last epoch is the schedule's end, not its middle."""
     run = artifacts.create_run(tmp_path, "plateau")
-    _validation_scores(monkeypatch, [0.9, 0.5, 0.4, 0.95, 0.93, 0.5, 0.5, 0.5])
-    (result,) = train.run(TrainConfig(**TINY_TRAIN | {"epochs": 8, "patience": 2,
+    _validation_scores(monkeypatch, [0.9, 0.5, 0.4, 0.45, 0.5, 0.95, 0.93, 0.5, 0.5, 0.5])
+    (result,) = train.run(TrainConfig(**TINY_TRAIN | {"epochs": 10, "patience": 2,
                                                        "baseline": False}), run)
-    # Epoch 4 leads the last by 3 of the 144 validation images: within noise, the last is kept.
-    assert (result.epochs_run, result.chosen_epoch) == (5, 5)
+    # Epoch 6 leads the last by 3 of the 144 validation images: within noise, the last is kept.
+    assert (result.epochs_run, result.chosen_epoch) == (7, 7)
     assert result.stopped == ("plateau: validation accuracy did not improve for 2 epochs after "
                               "epoch 1; the schedule was cut to end 2 epochs later")
     assert run.entry("amp")["training"]["stopped"] == result.stopped
     history = [json.loads(line) for line in
                run.verified_path("amp/metrics").read_text().splitlines()]
-    assert [h["epoch"] for h in history] == [1, 2, 3, 4, 5]
+    assert [h["epoch"] for h in history] == [1, 2, 3, 4, 5, 6, 7]
     assert history[-1]["lr"] == pytest.approx(0.0, abs=1e-9)  # the cosine's end
 
 
@@ -324,6 +325,25 @@ def test_a_model_resumed_under_time_keeps_its_share_of_the_budget(monkeypatch):
     train._train_each([("fp32", None), ("amp", None)], None, config, finished, None,
                       resume=True, spent=10.0)
     assert budgets == [("amp", 45.0)]
+
+
+def test_a_resumed_model_plans_with_the_time_share_it_started_with(monkeypatch):
+    """A resume shares --time again after less set-up (no range test): amp stopped part way
+    had come back with a larger share than it started with, and planned more epochs."""
+    from types import SimpleNamespace
+
+    from stages.training.loop import Totals
+
+    planned = []
+    model = SimpleNamespace(loop=SimpleNamespace(totals=Totals(budget=30.0)))  # its checkpoint's
+    monkeypatch.setattr(train, "_start", lambda *args: model)
+    monkeypatch.setattr(train, "fit", lambda loop, hooks: planned.append(hooks.end_epoch.args[1]))
+    monkeypatch.setattr(train, "_finish", lambda model, memory: "finished")
+    cpu = SimpleNamespace(type="cpu")
+    assert train.train_variant("amp", None, None, None, None, cpu, True, 0, 49.5) == "finished"
+    model.loop.totals = Totals()  # a model starting afresh takes the share it is given
+    train.train_variant("amp", None, None, None, None, cpu, False, 0, 49.5)
+    assert planned == [30.0, 49.5] and model.loop.totals.budget == 49.5
 
 
 def test_a_resume_in_another_number_of_processes_is_refused(tmp_path):
@@ -827,3 +847,21 @@ def test_a_last_batch_of_one_image_is_left_out_so_batchnorm_can_train(tmp_path):
     train.run(TrainConfig(model="resnet18", batch_size=68, epochs=1, lr=0.02, baseline=False,
                           measure_memory=False, quiet=True), run)
     assert run.entry("amp")["training"]["epochs"] == 1
+
+
+def test_the_probes_score_with_batchnorm_recomputed_as_every_score_does(monkeypatch):
+    """Running averages with MNASNet's momentum of 0.0003 keep most of their initial values
+    after 450 steps: the probes' validation losses had measured those, not the steps."""
+    from stages.data.datasets import load_splits
+
+    config = TrainConfig(**TINY_TRAIN)
+    splits = load_splits(config)
+    recomputed = []
+    real = batchnorm.recompute_module
+    monkeypatch.setattr(batchnorm, "recompute_module", lambda model, dataset, *args:
+                        recomputed.append(dataset) or real(model, dataset, *args))
+    probe = lr_probe.validation_probe(config, splits, Precision("fp32"), torch.device("cpu"),
+                                      0.01, steps=2)
+    before, after, guessing = next(probe)
+    assert recomputed == [splits.calibration] * 2  # before the steps and after them
+    assert len(before) == len(after) == len(guessing)

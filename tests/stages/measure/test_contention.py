@@ -218,6 +218,11 @@ def test_a_variant_timed_while_its_process_never_went_idle_is_not_clean():
         "`onnx-fp32` at batch 32 on the CPU was timed while other threads of this process still "
         "used the CPU (the wait for them gave up). These latencies and speed-ups are not clean "
         "figures: they may include that work."]
+    from stages.report.markdown import _timing_caveat
+
+    [caveat, _] = _timing_caveat(record)  # report.md had sent the user to a quiet machine
+    assert caveat.startswith("**Timed beside this process's own busy threads: these latencies")
+    assert "quiet machine" not in caveat and "unsteady" not in caveat
 
 
 def test_variants_run_with_a_thread_per_cpu_the_process_may_use():

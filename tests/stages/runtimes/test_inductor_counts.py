@@ -36,3 +36,16 @@ def test_each_kernel_call_is_counted_once_in_either_wrapper():
     # The C++ wrapper's kernel-profiling records name each call again: not counted.
     assert _counts(CPP_WRAPPER) == {"Conv": {"int8": 2, "float": 1},
                                     "Linear": {"int8": 1, "float": 3}}
+
+
+def test_a_compiled_model_builds_a_graph_for_each_batch_size_it_is_timed_at():
+    """Past Dynamo's default of 8 graphs, a ninth batch size (--batch-sizes 1,2,...,256) ran
+    eager without a word and was timed as compiled; now up to RECOMPILE_LIMIT are built, and
+    beyond it a recompile fails rather than falling back."""
+    import torch
+    import torch._dynamo.config as dynamo_config
+
+    with dynamo_config.patch(recompile_limit=8, fail_on_recompile_limit_hit=False):
+        inductor.compile_module(torch.nn.Linear(2, 2))  # compiled at its first call
+        assert dynamo_config.recompile_limit == inductor.RECOMPILE_LIMIT >= 16
+        assert dynamo_config.fail_on_recompile_limit_hit

@@ -85,12 +85,15 @@ def test_a_plan_shrinks_when_epochs_get_slower_without_a_step_in_the_rate():
 
 
 def test_a_plateau_ends_training_where_it_said_whatever_the_pace():
-    """Validation never improves after epoch 1 (patience 2): after epoch 3 the plateau cuts
-    the schedule to end at epoch 5, and a pace that fits more epochs does not stretch it."""
+    """Validation never improves after epoch 1 (patience 2): not in the plan's first half (the
+    rate above half its peak, the plan growing with the pace), but at epoch 15 of 29 the
+    plateau cuts the schedule to end at epoch 17, and a pace that fits more does not stretch
+    it."""
     loop = _loop()
     loop.totals.best_epoch = 1
     rates, plans, stopped = _train(loop, [30.0] + [5.0] * 20, budget=200.0, patience=2)
-    assert plans == [6, 11, 5, 5, 5] and stopped.startswith("plateau: ")
+    assert plans == [6, 11, 15, 17, 20, 20, 23, 23, 25, 25, 27, 27, 27, 29, 17, 17, 17]
+    assert stopped.startswith("plateau: ")
     assert rates[-1] < 0.05
 
 

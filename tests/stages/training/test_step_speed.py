@@ -39,6 +39,8 @@ def test_amp_trains_in_fp32_where_its_bf16_steps_were_measured_slower(tmp_path, 
     rows = report.training_rows(run)
     sentence = amp_sentence(rows, [{"name": "fp32", "size_bytes": rows["fp32"]["model_bytes"]}])
     assert "`amp` trained in fp32 here (--precision auto measured a training step at " in sentence
+    # No int8 row: no float row is credited as quantization's shrinking (it had been, 1.00x).
+    assert "quantization would shrink it (no int8 variant was made)" in sentence
 
 
 def test_bf16_is_kept_within_the_margin_and_the_measurement_recorded(tmp_path, monkeypatch):
