@@ -119,8 +119,8 @@ class Faulty(torch.utils.data.Dataset):
         return self.inner[index]
 
 real_load = train.load_splits
-def faulty_splits(config):
-    splits = real_load(config)
+def faulty_splits(config, *args):
+    splits = real_load(config, *args)
     sampler = EpochSampler(len(splits.train), config.seed)
     sampler.set_epoch(1)
     order = list(sampler)
