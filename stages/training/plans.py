@@ -38,8 +38,10 @@ def planned_end(loop: Loop, epoch: int, budget: float | None) -> str:
         fits = distributed.broadcast(fits)  # ranks timed apart must still stop together
         # Shorter whenever the pace says so; longer by two epochs or more, so that a pace on
         # the edge between two plans (mobilenet_v2 on photos10: 28.9 epochs) does not change it
-        # after every epoch; never past a plateau's end.
-        if fits < planned or (fits >= planned + 2 and not totals.plateau):
+        # after every epoch; never past a plateau's end, nor once the plan has run out: its
+        # cosine has reached zero, and epochs added at a rate of zero change no weight.
+        growing = fits >= planned + 2 and epoch < planned and not totals.plateau
+        if fits < planned or growing:
             planned = fits
             cut(loop, fits)
             say(f"{loop.name}: --time {budget:.0f}s for this model fits {fits} of "
@@ -50,8 +52,8 @@ def planned_end(loop: Loop, epoch: int, budget: float | None) -> str:
     if totals.plateau:
         return totals.plateau
     if planned < loop.epochs:
-        return (f"time: {planned} epoch{'s' * (planned != 1)} fit --time ({budget:.0f} s for "
-                "this model)")
+        return (f"time: {planned} epoch{'s' * (planned != 1)} planned in --time ({budget:.0f} s "
+                "for this model)")
     return f"epochs: all {loop.epochs} of --epochs ran"
 
 
