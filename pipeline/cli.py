@@ -90,6 +90,11 @@ def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Pa
                     train_precision=ctx.obj.get("train_precision"))
 
 
+# What --resume takes from today's flags beside --quiet and --device: how the data loads, not
+# what trains (a dead DataLoader worker's error says to resume with --workers 0).
+RESUME_TAKES = ("workers", "loader_timeout")
+
+
 @cli.command(context_settings=CONTEXT)
 @click.option("--resume", is_flag=True, help="Continue the latest run (or --run NAME) from its "
               "newest good checkpoint, with the configuration it was started with.")
@@ -99,23 +104,28 @@ def run_chain(ctx: click.Context, processors: list[Processor], artifacts_dir: Pa
 def train(ctx: click.Context, resume: bool, **flags) -> Processor:
     """Train the `amp` model and the `fp32` baseline; save fp32 master-weight checkpoints."""
     take_run_options(ctx, flags)
+    todays = [k for k in RESUME_TAKES if flags[k] is not None] if resume else []
     if resume:
-        given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
+        given = [f"--{k.replace('_', '-')}" for k, v in flags.items()
+                 if v is not None and k not in todays] + (
+            ["--seed"] if "seed" in ctx.obj["given"] else []) + (
+            ["the [train] table of --config"] if ctx.obj["file"].get("train") else [])
         if given:
             raise click.UsageError(f"--resume continues with the run's saved configuration; "
                                    f"drop {', '.join(given)}")
     ctx.obj["resume"] = resume
     flags = with_group_values(ctx, flags, "seed", "device", "quiet")
-    # --resume: the stage takes the run's own configuration, with today's quiet and device.
-    config = (cfg.TrainConfig(quiet=ctx.obj["quiet"], device=ctx.obj["device"]) if resume
-              else config_from_flags(ctx, "train", flags))
+    # --resume: the stage takes the run's own configuration, with today's quiet and device
+    # (and how the data loads, where given).
+    today = {"quiet": ctx.obj["quiet"], "device": ctx.obj["device"]} | {k: flags[k] for k in todays}
+    config = config_from_flags(ctx, "train", today if resume else flags)
     ctx.obj["train_precision"] = None if resume else config.precision
 
     def process(run) -> None:
         from stages import train as train_stage
         from stages.training import distributed
 
-        train_stage.run(config, run, resume=resume)
+        train_stage.run(config, run, resume=resume, resume_keeps=tuple(todays))
         if not distributed.current().is_main:  # the paths once, from the rank that wrote them
             return
         for name in ("fp32", "amp"):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -36,12 +35,11 @@ from stages.run.checkpoints import (
 from stages.run.errors import PipelineError
 from stages.run.files import (
     atomic_torch_save,
-    atomic_write,
     atomic_write_text,
     remove_stale_temporaries,
 )
 from stages.run.progress import say
-from stages.run.trained import resumed_config
+from stages.run.trained import list_amp_as_baseline, resumed_config
 from stages.training import batchnorm, distributed, failures, lr_range, plans
 from stages.training.loop import Hooks, Loop, Seen, build_parts, fit, recipe
 from stages.training.memory import PeakMemory, peak_memory_in_fresh_process
@@ -123,6 +121,11 @@ def _start(variant: str, precision: Precision, splits: DataSplits, config, run: 
     for note in loop.parts.notes:
         say(f"{variant}: initial weights: {note}", quiet=loop.quiet)
     found = newest_good_checkpoint(run, variant) if resume else None
+    # Each rank reads the files for itself: one that could not read the newest would step
+    # apart from the others, pairing its collectives with theirs.
+    if len(set(distributed.all_gather(found and found[0]))) > 1:
+        raise PipelineError(f"{variant}: the ranks found different checkpoints to resume from; "
+                            "check that every rank sees the run folder alike")
     if found:
         model.resumed_from, state = found
         loop.restore(state, best_weights(run, variant, state["totals"]["best_epoch"]))
@@ -278,7 +281,8 @@ def preflight(config) -> None:
         initial_weights(config, build_model(config.model, classes, channels, config.image_size))
 
 
-def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
+def run(config, run: Run, resume: bool = False,
+        resume_keeps: tuple[str, ...] = ()) -> list[TrainResult]:
     """Train `amp` and, unless config.baseline is off, the `fp32` baseline beside it.
 
     With ``resume``, the run's own configuration (resumed_config) holds: a variant whose
@@ -289,7 +293,7 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
     import torch
 
     if resume:
-        config = resumed_config(config, run, distributed.current().world_size)
+        config = resumed_config(config, run, distributed.current().world_size, resume_keeps)
     started = time.monotonic()
     device, precision, splits, config = _set_up(config, run, resume)
     # Where autocast resolves to fp32, `amp` is the baseline's computation step for step (same
@@ -305,8 +309,10 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
     finally:  # later stages in the same chain may use ops with no deterministic kernel
         torch.use_deterministic_algorithms(deterministic_before)
     is_main = distributed.current().is_main
-    if baseline_is_amp:
-        results.insert(0, _baseline_from_amp(results[-1], run, config, is_main))
+    if baseline_is_amp:  # fp32: the same run as amp, listed as its copy
+        results.insert(0, TrainResult(**(asdict(results[-1]) | {"variant": "fp32"})))
+        if is_main:
+            list_amp_as_baseline(run, asdict(config), quiet=config.quiet)
     for result in results:
         say(f"trained {result.variant} ({result.precision}): test accuracy "
             f"{result.test_accuracy:.4f} (epoch {result.chosen_epoch}, chosen on validation; "
@@ -314,6 +320,9 @@ def run(config, run: Run, resume: bool = False) -> list[TrainResult]:
             f"{result.samples_per_second:.0f} samples/s, {result.skipped_steps} skipped steps",
             quiet=not is_main)
     return results
+
+
+RESOLVED_IN_SET_UP = ("resolved_precision", "precision_chosen_by", "resolved_lr", "lr_found_by")
 
 
 def _set_up(config, run: Run, resume: bool) -> tuple:
@@ -326,8 +335,9 @@ def _set_up(config, run: Run, resume: bool) -> tuple:
     if world.active and device.type == "cuda":
         device = torch.device("cuda", world.local_rank)
     saved = run.recorded_config("train") if resume else {}
+    # Rank 0's answer: ranks on CPUs of two kinds would otherwise train different variants.
     precision = Precision(saved["resolved_precision"]) if "resolved_precision" in saved \
-        else resolve_precision(config.precision, device)
+        else Precision(distributed.broadcast(resolve_precision(config.precision, device).name))
     cap_isa_for_bf16_training(precision.name, device.type)
     classes, channels, held = expected_shape(config)
     check_model_fits(config.model, classes, channels, config.image_size, config.batch_size,
@@ -335,15 +345,22 @@ def _set_up(config, run: Run, resume: bool) -> tuple:
     # --download under torchrun: every rank writing the same archive at once corrupted it.
     splits = distributed.main_first(lambda first: load_splits(replace(
         config, download=config.download and first), saved.get("data")), only_if=config.download)
+    # Recorded as each part is settled, so that a run stopped while the precision is timed or
+    # the range test runs can be resumed (--resume reads its flags back from here), redoing
+    # only what had not been recorded.
+    recorded = asdict(config) | {"resolved_device": str(device), "world_size": world.world_size,
+                                 "data": splits.identity(), "recipe": recipe(config, splits)}
+    record = (lambda more: run.record_config("train", recorded | more)) if world.is_main \
+        else (lambda more: None)
+    record({key: saved[key] for key in RESOLVED_IN_SET_UP if key in saved})
     chosen_by = saved.get("precision_chosen_by", "")
-    if not saved:  # a resume keeps its precision, and why
+    if "resolved_precision" not in saved:  # a resume keeps its precision, and why
         precision, chosen_by = choose_precision(config, splits, precision, device)
+    settled = {"resolved_precision": precision.name, "precision_chosen_by": chosen_by}
+    record(settled)
     lr, found_by = lr_range.peak_lr(config, splits, precision, device, run, saved)
+    record(settled | {"resolved_lr": lr, "lr_found_by": found_by})
     if world.is_main:
-        run.record_config("train", asdict(config) | {
-            "resolved_precision": precision.name, "precision_chosen_by": chosen_by,
-            "resolved_device": str(device), "world_size": world.world_size, "resolved_lr": lr,
-            "lr_found_by": found_by, "recipe": recipe(config, splits), "data": splits.identity()})
         record_preprocessing(run, splits, config.dataset, "train")
     return device, precision, splits, replace(config, lr=lr)
 
@@ -373,28 +390,3 @@ def _train_each(variants: list, splits: DataSplits, config, run: Run, device,
         results.append(train_variant(name, precision, splits, config, run, device, resume,
                                      baseline_epochs, budget))
     return results
-
-
-def _baseline_from_amp(amp: TrainResult, run: Run, config, is_main: bool) -> TrainResult:
-    """`fp32` as a copy of an `amp` model that trained in fp32: the file the run-folder contract
-    promises, listed with the amp run's figures and marked as the same run."""
-    result = TrainResult(**(asdict(amp) | {"variant": "fp32"}))
-    if not is_main:
-        return result
-    listed = run.artifacts().get("fp32")
-    if listed and listed.get("training", {}).get("same_run_as") != "amp":
-        return result  # a baseline trained on its own before (a resumed older run): keep it
-    folder = run.root / "train" / "fp32"
-    folder.mkdir(parents=True, exist_ok=True)
-    source = run.entry("amp")
-    path = folder / "model.pt"
-    with open(run.verified_path("amp"), "rb") as trained:
-        atomic_write(path, lambda out: shutil.copyfileobj(trained, out))
-    run.register("fp32", path, kind="model", stage="train", config=asdict(config),
-                 format="pytorch", model_spec=source["model_spec"], chosen=source["chosen"],
-                 initial_weights=source["initial_weights"],
-                 training=source["training"] | {"variant": "fp32", "same_run_as": "amp"},
-                 checkpoint_bytes=source["checkpoint_bytes"], data=source.get("data"))
-    say("fp32: the same run as amp (autocast resolved to fp32), not trained twice; "
-        f"copied to {path}", quiet=config.quiet)
-    return result

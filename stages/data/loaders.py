@@ -67,3 +67,12 @@ def batches(dataset, batch_size: int = 256):
     """(images, labels) of a data set in order, without augmentation randomness of our own."""
     yield from make_loader(dataset, batch_size)
 
+
+def endless_batches(sampler: EpochSampler, loader):
+    """Training batches, epoch after epoch, for as long as a probe takes (the range test, the
+    precision's step timing)."""
+    epoch = 0
+    while True:
+        epoch += 1
+        sampler.set_epoch(epoch)
+        yield from loader

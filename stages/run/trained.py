@@ -1,6 +1,7 @@
 """What a run's float model tells the stages after train (or import): which model they start
 from (`amp`, else an imported `fp32`), and the data it was trained on, read back from its
-manifest entry through a dataclass; and the configuration train --resume takes back.
+manifest entry through a dataclass; the configuration train --resume takes back; and `fp32`
+listed as a copy of an `amp` that trained in fp32.
 
 The stage configs themselves stay in pipeline/config.py, where the CLI builds and validates
 them: stages/ does not import pipeline/ (tests/test_layers.py), and a later stage needs only
@@ -8,9 +9,12 @@ the data fields, which every saved train and import config holds.
 """
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, fields, replace
 
 from stages.run.errors import UsageError
+from stages.run.files import atomic_write
+from stages.run.progress import say
 
 FLOAT_MODELS = ("amp", "fp32")  # a later stage starts from the first the run has
 
@@ -53,11 +57,12 @@ def trained_data(run) -> DataConfig:
     return DataConfig.saved(run.entry(float_source(run))["config"])
 
 
-def resumed_config(config, run, world_size: int):
+def resumed_config(config, run, world_size: int, keeps: tuple[str, ...] = ()):
     """The configuration ``run`` was started with, for --resume; quiet and device are
-    ``config``'s (today's). Refused in another number of processes (``world_size``) than it
-    started with: checkpoints count steps and the schedule in each process's share of the
-    data, so it would re-enter epochs part way and end its schedule early."""
+    ``config``'s (today's), and the fields named in ``keeps``. Refused in another number of
+    processes (``world_size``) than it started with: checkpoints count steps and the schedule
+    in each process's share of the data, so it would re-enter epochs part way and end its
+    schedule early."""
     saved = run.recorded_config("train")
     if not saved:
         raise UsageError(f"run {run.name!r} has no saved training configuration to resume")
@@ -65,9 +70,30 @@ def resumed_config(config, run, world_size: int):
         raise UsageError(f"run {run.name!r} trained in {saved.get('world_size', 1)} "
                          f"process(es), and --resume here runs {world_size}: resume it with as "
                          "many (torchrun --nproc_per_node)")
-    kept = {f.name for f in fields(config)} - {"quiet", "device"}
+    kept = {f.name for f in fields(config)} - {"quiet", "device", *keeps}
     try:
         return replace(config, **{k: v for k, v in saved.items() if k in kept})
     except ValueError as exc:  # a flag --resume refuses: the fault is in what was saved
         raise UsageError(f"run {run.name!r} cannot resume as it was started: {exc}; put it "
                          "back as it was, or train again") from None
+
+
+def list_amp_as_baseline(run, config: dict, quiet: bool) -> None:
+    """`fp32` as a copy of an `amp` model that trained in fp32: the file the run-folder contract
+    promises, listed with the amp run's figures and marked as the same run."""
+    listed = run.artifacts().get("fp32")
+    if listed and listed.get("training", {}).get("same_run_as") != "amp":
+        return  # a baseline trained on its own before (a resumed older run): keep it
+    folder = run.root / "train" / "fp32"
+    folder.mkdir(parents=True, exist_ok=True)
+    source = run.entry("amp")
+    path = folder / "model.pt"
+    with open(run.verified_path("amp"), "rb") as trained:
+        atomic_write(path, lambda out: shutil.copyfileobj(trained, out))
+    run.register("fp32", path, kind="model", stage="train", config=config,
+                 format="pytorch", model_spec=source["model_spec"], chosen=source["chosen"],
+                 initial_weights=source["initial_weights"],
+                 training=source["training"] | {"variant": "fp32", "same_run_as": "amp"},
+                 checkpoint_bytes=source["checkpoint_bytes"], data=source.get("data"))
+    say("fp32: the same run as amp (autocast resolved to fp32), not trained twice; "
+        f"copied to {path}", quiet=quiet)

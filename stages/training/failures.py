@@ -74,8 +74,8 @@ def worker_failures(variant: str, epoch: int, pos: Position, folder: Path, data_
         raise PipelineError(
             f"{variant}: a DataLoader worker died or hung at epoch {epoch} step "
             f"{pos.step_in_epoch + 1} ({first.splitlines()[0][:160]}); checkpoints in "
-            f"{folder} are intact: fix the data or use --workers 0, then 'pipeline train "
-            "--resume'") from None
+            f"{folder} are intact: fix the data and run 'pipeline train --resume', or run "
+            "'pipeline train --resume --workers 0'") from None
 
 
 def nan_message(variant: str, precision, device, epoch: int, step: int, folder: Path,

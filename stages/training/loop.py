@@ -107,16 +107,6 @@ def recipe(config, splits: DataSplits) -> dict:
             "weight_averaging": "none", "initialisation": starting_weights(config, splits)}
 
 
-def endless_batches(parts: Parts):
-    """Training batches, epoch after epoch, for as long as a probe takes (the range test, the
-    precision's step timing)."""
-    epoch = 0
-    while True:
-        epoch += 1
-        parts.sampler.set_epoch(epoch)
-        yield from parts.loader
-
-
 @dataclass
 class Seen:
     """The steps since the sums were last read, as the host sees them, summed over ranks."""
@@ -285,9 +275,12 @@ class Loop:
                 "scaler": self.parts.scaler.state_dict(), "position": asdict(self.pos),
                 "sums": asdict(self.sums), "totals": asdict(self.totals),
                 "history": list(self.history), "rng": rng_state(),
-                "val_hits": {"best": self.best_hits, "last": self.last_hits}}
+                "val_hits": {"best": self.best_hits, "last": self.last_hits},
+                "skipped_in_a_row": 0 if self.in_a_row is None else int(self.in_a_row)}
 
     def restore(self, state: dict, best: dict | None) -> None:
+        import torch
+
         for part in ("model", "optimizer", "scheduler", "scaler"):
             getattr(self.parts, part).load_state_dict(state[part])
         # Plain dicts in the file (weights-only loading takes no classes of ours).
@@ -298,6 +291,8 @@ class Loop:
         self.history, self.best = state["history"], best
         hits = state.get("val_hits") or {}
         self.best_hits, self.last_hits = hits.get("best"), hits.get("last")
+        # A run of GradScaler's skips goes on across a resume as it does across epochs.
+        self.in_a_row = torch.tensor(state.get("skipped_in_a_row", 0), device=self.device)
         restore_rng(state["rng"])
 
 
@@ -353,7 +348,7 @@ def _steps(loop: Loop, hooks: Hooks, epoch: int) -> Seen:
                 _fold(loop, seen, started)
                 loop.totals.wall, wall_from = (loop.totals.wall + time.perf_counter() - wall_from,
                                                time.perf_counter())
-                loop.sums = shown
+                loop.sums, loop.in_a_row = shown, device_sums.in_a_row  # the checkpoint's
                 device_sums = DeviceSums(device, device_sums.in_a_row)
                 hooks.checkpoint()
                 started = time.perf_counter()

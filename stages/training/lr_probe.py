@@ -10,11 +10,11 @@ import math
 import statistics
 from typing import TYPE_CHECKING
 
-from stages.data.loaders import make_loader
+from stages.data.loaders import endless_batches, make_loader
 from stages.run.errors import PipelineError
 from stages.run.progress import say
 from stages.training import batchnorm, distributed
-from stages.training.loop import DeviceSums, build_parts, endless_batches, train_step
+from stages.training.loop import DeviceSums, build_parts, train_step
 
 if TYPE_CHECKING:
     from stages.training.lr_range import NeverFell
@@ -163,7 +163,7 @@ def validation_probe(config, splits, precision, device, lr: float, steps: int = 
     before, labels = _image_losses(parts.model, images, device, splits, config.batch_size)
     shares = torch.bincount(torch.tensor(labels)).double() / len(labels)
     guessing = [-math.log(shares[label]) for label in labels]
-    batches, done = endless_batches(parts), 0
+    batches, done = endless_batches(parts.sampler, parts.loader), 0
     while True:
         parts.trained.train()
         for batch, targets in itertools.islice(batches, steps):

@@ -26,7 +26,7 @@ started as the identity) trains at the lowest loss, and labels that do not belon
 
 The steepest descent is recorded and plotted, not chosen: on networks whose loss falls at any
 learning rate at first (a poor initial scale, or easy early progress), it sits at the test's
-first steps. Measured on notMNIST (docs/measurements.md), in a test from 1e-4:
+first steps. Measured on notMNIST (docs/measurements.md's git history), in a test from 1e-4:
 efficientnet_b0's steepest descent was at 1.3e-4 and mnasnet0_5's at 2.8e-4, where their
 hand-tuned peaks were 0.02; the lowest loss sat at 1 to 3.4 times the hand-tuned peaks of the
 four families tried.
@@ -38,11 +38,12 @@ import json
 import math
 import time
 
+from stages.data.loaders import endless_batches
 from stages.run.errors import PipelineError
 from stages.run.files import atomic_write_text
 from stages.run.progress import say
 from stages.training import distributed
-from stages.training.loop import DeviceSums, build_parts, endless_batches, train_step
+from stages.training.loop import DeviceSums, build_parts, train_step
 from stages.training.lr_probe import (  # where no range test can be read
     RULE_PER_256,
     NothingLearned,
@@ -52,7 +53,7 @@ from stages.training.lr_probe import (  # where no range test can be read
 
 # 50 steps a decade: at 25 the loss of mobilenet_v2 on notMNIST had not fallen by the time it
 # blew up. Starting at 1e-3 rather than 1e-4 moved the minima found 9 to 25% lower and
-# saved a quarter to a third of the steps (docs/measurements.md).
+# saved a quarter to a third of the steps (docs/measurements.md's git history).
 START_LR, END_LR = 1e-3, 1.0
 MAX_STEPS = 150
 LONG_STEPS = 3 * MAX_STEPS  # efficientnet_b0's loss: 2.36 to 2.25 in 150 steps, to 1.18 in 500
@@ -213,7 +214,7 @@ def range_test(config, splits, precision, device, steps: int = MAX_STEPS,
     if not len(parts.loader):
         raise PipelineError("--lr auto: the training split holds no batch to test on")
     lrs, losses, average, lowest = [], [], 0.0, math.inf
-    for images, labels in endless_batches(parts):
+    for images, labels in endless_batches(parts.sampler, parts.loader):
         if len(lrs) >= steps:
             break
         if len(lrs) == 1:

@@ -17,9 +17,10 @@ import dataclasses
 import statistics
 import time
 
+from stages.data.loaders import endless_batches
 from stages.run.progress import say
 from stages.training import distributed
-from stages.training.loop import DeviceSums, build_parts, endless_batches, train_step
+from stages.training.loop import DeviceSums, build_parts, train_step
 from stages.training.precision import Precision, auto_precision_note
 
 BF16_SLOWER_BY = 1.25
@@ -60,7 +61,7 @@ def step_seconds(config, splits, device) -> tuple[float, float]:
     models = [build_parts(probe, splits, precision, device) for precision in precisions]
     times: list[list[float]] = [[], []]
     for step, (images, labels) in zip(range(WARMUP_STEPS + TIMED_STEPS),
-                                      endless_batches(models[0])):
+                                      endless_batches(models[0].sampler, models[0].loader)):
         for parts, precision, taken in zip(models, precisions, times):
             parts.trained.train()
             started = time.perf_counter()

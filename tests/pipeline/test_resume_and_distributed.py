@@ -86,6 +86,37 @@ def test_resume_refuses_new_flags(tmp_path):
     assert proc.returncode == 2 and "drop --lr" in proc.stderr
 
 
+def test_resume_takes_how_the_data_loads_and_refuses_a_seed_or_a_config_table(tmp_path,
+                                                                               monkeypatch):
+    """--workers and --loader-timeout are today's on --resume (a dead worker's error says to
+    resume with --workers 0, which had been refused); --seed and a --config file's [train]
+    table had been dropped without a word."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+    from stages import train
+
+    artifacts.create_run(tmp_path, "r")
+    got = []
+    monkeypatch.setattr(train, "run", lambda config, run, resume, resume_keeps: got.append(
+        (config.workers, resume, resume_keeps)) or [])
+
+    def invoke(*args):
+        return CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "--run", "r", *args],
+                                  prog_name="pipeline")
+
+    resumed = invoke("train", "--resume", "--workers", "0")
+    assert resumed.exit_code == 0, resumed.output
+    assert got == [(0, True, ("workers",))]
+    seeded = invoke("--seed", "3", "train", "--resume")
+    assert seeded.exit_code == 2 and "drop --seed" in seeded.stderr
+    table = tmp_path / "pipeline.toml"
+    table.write_text("[train]\nepochs = 3\n")
+    configured = invoke("--config", str(table), "train", "--resume")
+    assert configured.exit_code == 2 and "drop the [train] table of --config" in configured.stderr
+    assert len(got) == 1
+
+
 @pytest.mark.slow
 @pytest.mark.longest
 def test_torchrun_two_cpu_ranks(tmp_path):

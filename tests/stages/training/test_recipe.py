@@ -48,3 +48,23 @@ def test_the_report_says_the_recipe_in_words():
     assert "; label smoothing 0.1;" in shifted
     assert shifted.endswith("training images given random shifts of up to 4 pixels.")
     assert _recipe_sentence({}) == ""  # a run trained before the recipe was kept
+
+
+def test_a_run_of_skipped_steps_goes_on_across_a_resume():
+    """GradScaler's skips in a row carry across epochs, and now across a checkpoint: 20 before
+    a stop and 10 after had passed --max-skipped-steps 25 resumed, and failed uninterrupted."""
+    from stages.training.loop import Loop
+
+    config = TrainConfig(**TINY_TRAIN)
+    splits = load_dataset("digits", image_size=8, seed=0)
+    cpu = torch.device("cpu")
+
+    def loop():
+        parts = build_parts(config, splits, Precision("fp32"), cpu)
+        return Loop("amp", parts, Precision("fp32"), cpu, epochs=2, batch_size=64, quiet=True)
+
+    stopped = loop()
+    stopped.in_a_row = torch.tensor(20)
+    resumed = loop()
+    resumed.restore(stopped.state(), best=None)
+    assert int(resumed.in_a_row) == 20
