@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from stages.measure.evaluate import PARITY_MIN_AGREEMENT
 from stages.report import profile
-from stages.report.recommendation import accuracy_drop, cap_that_pays, worst_accuracy_drop
+from stages.report.recommendation import (
+    BELOW_AMX_PHASE,
+    accuracy_drop,
+    cap_that_pays,
+    worst_accuracy_drop,
+)
 
 NO_VNNI = ("this CPU has no VNNI, so int8 kernels multiply through 16-bit steps that saturate "
            "(oneDNN's 'Nuances of int8 computations') and run little faster than float ones; "
@@ -213,9 +218,12 @@ def crash_warnings(crashed: list[dict]) -> list[str]:
 
 
 def extra_crash_warnings(crashed: list[dict]) -> list[str]:
-    return [f"{c['name']} crashed the process measuring it while {c['phase']} ({c['signal']} in "
-            f"{c['runtime']}, oneDNN {c['onednn_max_cpu_isa']}): it was measured again without "
-            "that, and its figures stand." for c in crashed]
+    return [f"{c['name']} crashed the process timing it with oneDNN capped at "
+            f"{c['onednn_max_cpu_isa']} ({c['signal']} in {c['runtime']}): no variant has a "
+            "figure below AMX, and the figures with AMX stand." if c["phase"] == BELOW_AMX_PHASE
+            else f"{c['name']} crashed the process measuring it while {c['phase']} "
+            f"({c['signal']} in {c['runtime']}, oneDNN {c['onednn_max_cpu_isa']}): it was "
+            "measured again without that, and its figures stand." for c in crashed]
 
 
 def _killed_for_memory(crash: dict) -> str:

@@ -43,12 +43,12 @@ def judged_images(run: Run, name: str, reference: str) -> str:
     """What ``name`` is judged against the reference on, in report.json's words. Where its
     weights come from the reference's training (the same images, epochs and precision),
     training images measure what quantization changed, and serve. A model fine-tuned further
-    (torch-qat, and ort-qat made from it) fits them differently, so there they would measure
-    memorisation: on mnasnet0_5 the float model scored 96.2% on 925 selection images (88.2% on
-    its 144 validation ones) and torch-qat 2.3 points less, though level on validation; it is
-    judged on the half of the validation split it did not choose its epoch on. So is a model
-    trained apart (the fp32 baseline beside a bf16 `amp`), on the whole validation split, on
-    which both chose their epoch alike."""
+    (torch-qat, and ort-qat and openvino-qat made from it) fits them differently, so there they
+    would measure memorisation: on mnasnet0_5 the float model scored 96.2% on 925 selection
+    images (88.2% on its 144 validation ones) and torch-qat 2.3 points less, though level on
+    validation; it is judged on the half of the validation split it did not choose its epoch
+    on. So is a model trained apart (the fp32 baseline beside a bf16 `amp`), on the whole
+    validation split, on which both chose their epoch alike."""
     fitted, reference_fitted = _fitted_model(run, name), _fitted_model(run, reference)
     if _one_training(run, fitted, reference_fitted):
         return SELECTION_WORDS

@@ -33,6 +33,7 @@ from pathlib import Path
 from stages.data.datasets import splits_of_run
 from stages.measure import machine, timing
 from stages.report.measuring import EXTRAS, measure_variants, time_variants
+from stages.report.recommendation import BELOW_AMX_PHASE
 from stages.run import isolated
 from stages.run.artifacts import Run, versions
 from stages.run.errors import PipelineError
@@ -84,7 +85,7 @@ def measure(run: Run, config, threads: int, scratch: Path) -> tuple[list[dict], 
                 quiet=config.quiet)
             continue
         if config.time_below_amx:
-            time_below_amx(run, config, threads, rows)
+            extras += time_below_amx(run, config, threads, rows)
         return rows, measured | {"crashed": crashed, "extras_crashed": extras}
 
 
@@ -102,14 +103,15 @@ def onednn_rows(rows: list[dict]) -> list[str]:
             and VARIANTS[row["variant"]].runtime in ONEDNN_RUNTIMES]
 
 
-def time_below_amx(run: Run, config, threads: int, rows: list[dict]) -> None:
+def time_below_amx(run: Run, config, threads: int, rows: list[dict]) -> list[dict]:
     """Each int8 or bf16 CPU variant that runs oneDNN, but the trained models served eager,
     gets `below_amx`: its latency at the verdict's batch size (the largest) with oneDNN capped
     at BELOW_AMX, timed in a child of its own in the same harness, and `amx_speedup`, how many
-    times faster it ran with AMX than without (below 1: AMX lost)."""
+    times faster it ran with AMX than without (below 1: AMX lost). Returns the crash of that
+    child, as report.json's `extras_crashed` lists it: the comparison is lost, not the report."""
     names = onednn_rows(rows)
     if not names or amx_unused():
-        return
+        return []
     say(f"report: timing {len(names)} variants again with oneDNN capped at {BELOW_AMX} ...",
         quiet=config.quiet)
     config = dataclasses.replace(config, batch_sizes=(max(config.batch_sizes),))
@@ -117,9 +119,11 @@ def time_below_amx(run: Run, config, threads: int, rows: list[dict]) -> None:
         below = isolated.deployment_environment() | {"ONEDNN_MAX_CPU_ISA": BELOW_AMX}
         timings, isa = isolated.call("stages.report.worker:time_in_child", run, config,
                                      threads, names, environment=below)
-    except isolated.Crashed as crash:  # the comparison is lost, not the report
+    except isolated.Crashed as crash:
         say(f"report: timing below AMX stopped: {crash}", quiet=config.quiet)
-        return
+        record = crash_record(crash) or {"name": "timing below AMX", "signal": crash.signal_name,
+                                         "runtime": "oneDNN"}
+        return [record | {"phase": BELOW_AMX_PHASE, "onednn_max_cpu_isa": BELOW_AMX}]
     for row in rows:
         if row["name"] not in names:
             continue
@@ -132,6 +136,7 @@ def time_below_amx(run: Run, config, threads: int, rows: list[dict]) -> None:
             faster[size] = timing.speedup(capped, with_amx)
         row["below_amx"] = {"onednn_max_cpu_isa": isa["onednn_max_cpu_isa"],
                             "latency_ms": latency, "amx_speedup": faster}
+    return []
 
 
 def time_in_child(doing: isolated.Doing, run: Run, config, threads: int,

@@ -820,6 +820,31 @@ def test_the_rows_timed_below_amx_are_the_compiled_and_runtime_ones_that_run_one
     assert not {"fp32", "amp", "openvino-fp32", "amp@cuda"} & onednn
 
 
+def test_a_crash_of_the_child_timing_below_amx_is_recorded_and_warned(monkeypatch):
+    """It had been said past --quiet only: report.json and report.md kept no trace of it."""
+    import json
+
+    from stages.report import worker
+    from stages.run import isolated
+
+    def crashes(*args, **kwargs):
+        raise isolated.Crashed("SIGSEGV", json.dumps({"row": "openvino-int8", "phase": "timing",
+                                                      "batch_size": 32}))
+
+    monkeypatch.setattr(worker, "amx_unused", lambda: False)
+    monkeypatch.setattr(worker.isolated, "call", crashes)
+    rows = [{"name": "openvino-int8", "variant": "openvino-int8", "device": "cpu",
+             "precision": "int8"}]
+    [record] = worker.time_below_amx(None, ReportConfig(**TINY_REPORT), 2, rows)
+    assert (record["name"], record["signal"], record["phase"]) == (
+        "openvino-int8", "SIGSEGV", "timed below AMX")
+    assert "below_amx" not in rows[0]
+    assert diagnosis.extra_crash_warnings([record]) == [
+        f"openvino-int8 crashed the process timing it with oneDNN capped at {worker.BELOW_AMX} "
+        f"(SIGSEGV in {record['runtime']}): no variant has a figure below AMX, and the figures "
+        "with AMX stand."]
+
+
 def test_a_variant_faster_below_amx_is_timed_there_and_said_with_both_figures(tiny_run,
                                                                                 monkeypatch):
     """time_below_amx times the int8 and bf16 variants that run oneDNN in a child capped below
