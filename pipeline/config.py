@@ -59,8 +59,8 @@ def _check_data_flags(config) -> None:
 
 # Without --time, 5 epochs: the default chain's resnet18 on the digits at --lr 0.02 scored
 # 97.78% on test after 5 epochs and 98.06% after 15, one image of 360 apart
-# (docs/measurements.md). Under --time the plan is what fits the budget at the measured pace
-# (stages/training/plans.py), up to EPOCHS_UNDER_TIME.
+# (docs/measurements.md's git history). Under --time the plan is what fits the budget at the
+# measured pace (stages/training/plans.py), up to EPOCHS_UNDER_TIME.
 DEFAULT_EPOCHS = 5
 EPOCHS_UNDER_TIME = 200
 
@@ -165,7 +165,7 @@ class QatConfig:
     """Quantization-aware fine-tuning of the run's float model (torchao PT2E QAT)."""
 
     # On the digits an epoch is about 20 steps: mnasnet0_5 ended 2.2-3.6 points below fp32 on
-    # test after 3 epochs, 0.3-0.8 below after 10 (docs/measurements.md).
+    # test after 3 epochs, 0.3-0.8 below after 10 (docs/measurements.md's git history).
     epochs: int = 10
     # From trained weights: a tenth to a third of the peaks found for the families on notMNIST
     # (0.014-0.05), where every QAT variant ended +0.05 to +0.50 points from amp (measurements.md).

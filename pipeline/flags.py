@@ -44,8 +44,8 @@ TRAIN = DATA | {
                  "test leave is shared by the models trained; after each epoch the epochs that "
                  "fit at the pace so far are planned again, the learning-rate schedule with "
                  "them.", metavar="DURATION", default="no limit"),
-    "patience": Flag("Once validation accuracy has not improved for this many epochs, cut "
-                     "the schedule to end this many epochs later.",
+    "patience": Flag("Once validation accuracy has not improved for this many epochs in the "
+                     "plan's second half, cut the schedule to end this many epochs later.",
                      metavar="EPOCHS"),
     "batch_size": Flag("Images a step."),
     "lr": Flag("Peak learning rate of SGD (cosine, warm-up); auto: found by a learning-rate "

@@ -6,8 +6,8 @@ activation f with f(x / s) = f(x) / s for s > 0), scaling the first one's output
 1 / s_i and the second one's input channel i by s_i leaves the model's outputs as they were.
 Choosing s_i = sqrt(r1_i / r2_i), with r the channel's largest absolute weight, gives both
 layers the same range per channel, so a per-tensor int8 scale no longer has to cover one
-channel a hundred times wider than the rest. On mnasnet0_5 (notMNIST, docs/measurements.md)
-it took ort-static's per-tensor loss from -7.13 to -3.81 points.
+channel a hundred times wider than the rest. On mnasnet0_5 (notMNIST; docs/measurements.md's
+git history) it took ort-static's per-tensor loss from -7.13 to -3.81 points.
 
 ReLU6, Hardswish and SiLU are not scale-free: scaling through them would change the float
 model, so those pairs are left alone and counted.

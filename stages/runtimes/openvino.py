@@ -148,7 +148,7 @@ def hard_excitation_multiplies(model) -> list[str]:
     eight gates, against 1.84 ms for the 1x1 convolutions. Left float, openvino-int8 went from
     1.20x to 1.48-1.90x the fastest float in six reports.
     efficientnet's Sigmoid gates fuse theirs: left float, they cost 0.3 ms of FakeQuantize
-    elsewhere, so they stay int8 (docs/measurements.md)."""
+    elsewhere, so they stay int8 (docs/measurements.md's git history)."""
     names = []
     for op in model.get_ordered_ops():
         if op.get_type_name() == "HardSigmoid":

@@ -145,7 +145,7 @@ def annotate_outputs_before_activations(graph, config) -> int:
     ONNX Runtime fuses a convolution into its int8 kernel only where a QuantizeLinear follows
     it: efficientnet_b0's `ort-qat` ran 16 of its 81 convolutions in int8. Adding those
     quantizers after fine-tuning cost 8 points, since training had not seen them; here the
-    fine-tuning trains with them, and all 81 run in int8 (docs/measurements.md)."""
+    fine-tuning trains with them, and all 81 run in int8 (docs/measurements.md's git history)."""
     from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, get_output_act_qspec
 
     key = "quantization_annotation"

@@ -299,7 +299,8 @@ class Serving:
     graph: bool  # a PT2E int8 graph (runtimes/pt2e.py); else a float module
     compiled: bool  # under torch.compile
     autocast: str | None  # "bf16" or "fp16": amp, served in its training precision
-    # As it trained (training/layout.py): 2.1x faster under bf16 autocast at 224 (measurements.md)
+    # As it trained (training/layout.py): 2.1x faster under bf16 autocast at 224 (measured:
+    # docs/measurements.md's git history)
     channels_last: bool = False
 
     def load(self, run):

@@ -60,7 +60,7 @@ def quantize_conv_outputs_into_adds(model, scratch_dir: Path, batches) -> int:
     the exported QAT graph has no QuantizeLinear between such a Conv and its Add, and ONNX
     Runtime left those convs in float (resnet18: 8 of 20, `ort-qat` 14.85 ms at batch 32; with
     the pairs 20 of 20 and 8 QLinearAdd, 3.63 ms, the same predictions on all 360 test images;
-    docs/measurements.md)."""
+    docs/measurements.md's git history)."""
     import numpy as np
     import onnx
     from onnx import helper, numpy_helper
@@ -123,8 +123,8 @@ def quantize_sigmoid_outputs(model) -> int:
     squeeze-excitation gates. torchao's QAT graph leaves a Sigmoid's output float (Inductor
     fuses it into the multiply), and ONNX Runtime ran each of those pairs in float between a
     DequantizeLinear and a QuantizeLinear: in efficientnet_b0's ort-qat 4.7 of 9.5 ms a call
-    at batch 32 (docs/measurements.md). The gate moves by at most half a step, which ort-qat's
-    parity check with torch-qat bounds."""
+    at batch 32 (docs/measurements.md's git history). The gate moves by at most half a step,
+    which ort-qat's parity check with torch-qat bounds."""
     import numpy as np
     from onnx import TensorProto, numpy_helper
 
@@ -168,7 +168,7 @@ def without_sigmoid_pairs(model) -> int:
     for OpenVINO: with them it no longer fused x * sigmoid(x) into the convolution before it.
     efficientnet_b0's openvino-qat ran the products apart (PowerStatic, 3.08 of 7.43 ms by the
     perf counters), 1.15x and 1.20x the fastest float against 1.28x and 1.38x without them, in
-    reports that hour (docs/measurements.md). Returns how many pairs."""
+    reports that hour (docs/measurements.md's git history). Returns how many pairs."""
     sigmoid_of = {node.output[0]: node.input[0] for node in model.graph.node
                   if node.op_type == "QuantizeLinear" and node.input[1] == SIGMOID_SCALE}
     restored = {node.output[0]: sigmoid_of[node.input[0]] for node in model.graph.node
