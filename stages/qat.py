@@ -238,25 +238,76 @@ def _has_non_finite(model) -> bool:
             or any(b.is_floating_point() and torch.isnan(b).any() for b in model.buffers()))
 
 
+MAKING = "making "
+CHILD = "stages.qat:_make_in_child"  # a test swaps in a child whose variant crashes
+
+
 def run(config, run: Run) -> list[str]:
-    """Fine-tune, then make each variant registered for this stage from the fine-tuned graph
-    (`torch-qat`, then `ort-qat` from it and `openvino-qat` from that); the names of those
-    made."""
+    """Fine-tune, then make each variant registered for this stage; the names of those made.
+    `torch-qat` is made here from the fine-tuned graph; those read from its files (`ort-qat`,
+    and `openvino-qat` from that) in a process of their own, as quantize makes its variants
+    (quantize.run_as_deployed): a runtime's native crash costs its variant, not the stage,
+    and they are checked without training's oneDNN cap, as a deployment runs them."""
     device = resolve_device(config.device)
-    made = []
+    names = [name for name, v in runtimes.VARIANTS.items() if v.stage == "qat"]
+    from_files = [name for name in names if runtimes.VARIANTS[name].source in names]
     with context(run, config, "qat") as ctx:
         tuned = fine_tune(config, ctx, device)
-        names = [name for name, v in runtimes.VARIANTS.items() if v.stage == "qat"]
         # An earlier fine-tuning's variants go, all before any is made: openvino-qat would
         # otherwise be read from the ort-qat of a fine-tuning this one replaced, and one left
         # listed where a later one failed would stand beside this fine-tuning's torch-qat.
         for name in names:
             run.unregister(name)
-        for name in names:
+        made = _make(ctx, [name for name in names if name not in from_files], tuned)
+    return made + _made_apart(config, run, from_files)
+
+
+def _make(ctx: QuantContext, names: list[str], tuned, doing=None) -> list[str]:
+    made = []
+    for name in names:
+        if doing is not None:
+            doing(MAKING + name)
+        try:
+            if runtimes.VARIANTS[name].make(ctx, tuned) is not None:
+                made.append(name)
+        except NotMade as exc:  # costs this one (and what is read from it), not the stage
+            ctx.say(f"qat: {name} not made: {exc}")
+            ctx.run.unregister(name)
+    return made
+
+
+def _make_in_child(doing, config, run: Run, names: list[str]) -> list[str]:
+    doing(f"making the QAT variants of run {run.name}")  # what a crash before any names
+    with context(run, config, "qat", record=False) as ctx:
+        return _make(ctx, names, None, doing)
+
+
+def _made_apart(config, run: Run, names: list[str]) -> list[str]:
+    """``names`` made in a child (_make_in_child); where a runtime crashes it, the variant it
+    was making is not made, config.json's qat record says why, and the others are made again
+    in a fresh child (what is read from the crashed one then says it was not kept)."""
+    from stages.run import isolated
+
+    left, lost, made = list(names), {}, []
+    try:
+        while left:
             try:
-                if runtimes.VARIANTS[name].make(ctx, tuned) is not None:
-                    made.append(name)
-            except NotMade as exc:  # costs this one (and what is read from it), not the stage
-                ctx.say(f"qat: {name} not made: {exc}")
+                made = isolated.call(CHILD, config, run, left)
+                break
+            except isolated.Crashed as crash:
+                name = crash.doing.removeprefix(MAKING)
+                if not crash.doing.startswith(MAKING) or name not in left:
+                    raise PipelineError(f"qat: its process died ({crash}); please report this "
+                                        "with --debug output") from None
+                say(f"qat: {name}: {crash}; making the others again without it",
+                    quiet=config.quiet)
                 run.unregister(name)
+                lost[name] = (f"not made: its runtime crashed ({crash.signal_name}) while it "
+                              "was made")
+                left.remove(name)
+    finally:
+        isolated.release()
+    if lost:
+        recorded = run.recorded_config("qat")
+        run.record_config("qat", recorded | {"not_kept": recorded.get("not_kept", {}) | lost})
     return made

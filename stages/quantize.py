@@ -96,7 +96,8 @@ def run_as_deployed(config, target: Run, qat_config=None) -> list[str]:
     candidates as a deployment runs them: in the 224x224 chain the cap made openvino-bf16's
     scoring 2x slower and amp-compiled's 3 to 4x (AMX Xeon: 35 s against 16-17, 26 s against
     6-8), and --auto would rank candidates as no deployment runs them. The QAT that --auto may
-    go on to runs here, as `pipeline qat` does (in bf16 it needs training's cap)."""
+    go on to fine-tunes here, as `pipeline qat` does (in bf16 it needs training's cap), and
+    makes the variants read from torch-qat's files in a child of its own."""
     import copy
 
     from stages.run import isolated

@@ -173,8 +173,8 @@ def _warnings(run: Run, rows: list[dict], reference: str, config, training: dict
             + extra_crash_warnings(measured["extras_crashed"])
             + amx_warnings(rows, str(max(config.batch_sizes)))
             + [m for m in dict.fromkeys(vnni_mismatch(run, r["variant"]) for r in rows) if m]
-            + [f"{name} (quantize): {why}" for name, why in run.recorded_config(
-                "quantize").get("not_kept", {}).items()])
+            + [f"{name} ({stage}): {why}" for stage in ("quantize", "qat")
+               for name, why in run.recorded_config(stage).get("not_kept", {}).items()])
 
 
 def write(run: Run, folder: Path, report: dict, compared: list[Run]) -> None:

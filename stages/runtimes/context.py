@@ -240,11 +240,12 @@ class QuantContext:
 
 
 @contextlib.contextmanager
-def context(run: Run, config, stage: str, **options) -> Iterator[QuantContext]:
+def context(run: Run, config, stage: str, record: bool = True,
+            **options) -> Iterator[QuantContext]:
     """The QuantContext a stage that makes variants works in (quantize, qat): the run's float
     source and data, the quantize/ folder, and a scratch folder removed afterwards with what
     was written there and never listed. Records the stage's configuration with the source it
-    was made from."""
+    was made from (unless ``record`` is off: a child making the stage's variants)."""
     import torch
 
     source = float_source(run)
@@ -274,9 +275,10 @@ def context(run: Run, config, stage: str, **options) -> Iterator[QuantContext]:
                                threads, stage=stage, published=folder, **options)
             if stage == "quantize":  # bad calibration data stops it before anything is written
                 ctx.calibration()
-            run.record_config(stage, asdict(config) | {
-                "source": source, "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA",
-                                                                       "not capped")})
+            if record:
+                run.record_config(stage, asdict(config) | {"source": source, "onednn_max_cpu_isa":
+                                                           os.environ.get("ONEDNN_MAX_CPU_ISA",
+                                                                          "not capped")})
             yield ctx
         finally:
             torch.set_num_threads(before)

@@ -1,6 +1,6 @@
-"""What the report's measuring child and quantize's child run in the crash tests
-(tests/stages/test_report.py, test_quantize.py): the real child, with one variant's calls dying
-of a real SIGSEGV (a read of address 0)."""
+"""What the report's measuring child, quantize's child and qat's child run in the crash tests
+(tests/stages/test_report.py, test_quantize.py, test_qat.py): the real child, with one variant's
+calls dying of a real SIGSEGV (a read of address 0), or failing as a test needs it to there."""
 import ctypes
 
 CRASHING = "ort-static"
@@ -36,3 +36,45 @@ def quantize_crashing(doing, config, target):
     runtimes.VARIANTS["openvino-fp32"] = dataclasses.replace(
         variant, make=lambda ctx: ctypes.string_at(0))
     return quantize._run_in_child(doing, config, target)
+
+
+def _qat_child_with(make: dict, doing, config, run, names):
+    """qat's child (stages/qat.py:_make_in_child) with the makers in ``make`` swapped in."""
+    import dataclasses
+
+    from stages import qat, runtimes
+
+    for name, maker in make.items():
+        runtimes.VARIANTS[name] = dataclasses.replace(runtimes.VARIANTS[name], make=maker)
+    return qat._make_in_child(doing, config, run, names)
+
+
+def qat_crashing(doing, config, run, names):
+    """ort-qat's making dies of a real SIGSEGV: openvino-qat, read from it, is not made."""
+    return _qat_child_with({"ort-qat": lambda ctx, tuned: ctypes.string_at(0)}, doing, config,
+                           run, names)
+
+
+def qat_failing(doing, config, run, names):
+    """ort-qat's making fails (an error the stage does not catch)."""
+    from stages.run.errors import PipelineError
+
+    def fails(ctx, tuned):
+        raise PipelineError("ort-qat: failed")
+
+    return _qat_child_with({"ort-qat": fails}, doing, config, run, names)
+
+
+def qat_openvino_refusing(doing, config, run, names):
+    """ort-qat kept whatever its parity, and OpenVINO's compiler refusing openvino-qat."""
+    from stages.run.errors import NotMade
+    from stages.runtimes import openvino, qat
+
+    def refuses(*_, **__):
+        raise NotMade("OpenVINO cannot compile the model: a test's refusal")
+
+    real = qat.parity_with_torch_qat
+    qat.parity_with_torch_qat = lambda name, reference, logits: real(
+        name, reference, logits) | {"top1_agreement": 1.0}
+    openvino.compile_model = refuses
+    return _qat_child_with({}, doing, config, run, names)

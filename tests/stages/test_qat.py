@@ -517,18 +517,12 @@ def test_a_qat_that_fails_part_way_leaves_no_variant_of_the_fine_tuning_it_repla
     """ort-qat's making fails after torch-qat is made again: the earlier fine-tuning's
     openvino-qat must not stand listed beside the new torch-qat (it was unregistered only just
     before its own making, which never came)."""
-    import dataclasses
 
     from tests.conftest import _copy
 
     run = _copy(tiny_qat_run["run"], tmp_path / "artifacts")
     assert "openvino-qat" in run.artifacts()
-
-    def fails(ctx, tuned):
-        raise PipelineError("ort-qat: failed")
-
-    monkeypatch.setitem(runtimes.VARIANTS, "ort-qat",
-                        dataclasses.replace(runtimes.VARIANTS["ort-qat"], make=fails))
+    monkeypatch.setattr(qat, "CHILD", "tests.stages.crashing_child:qat_failing")
     with pytest.raises(PipelineError, match="ort-qat: failed"):
         qat.run(QatConfig(epochs=1, quiet=True), run)
     assert not {"ort-qat", "openvino-qat"} & set(run.artifacts())
@@ -538,20 +532,30 @@ def test_a_qat_variant_its_runtime_cannot_take_costs_that_variant_not_the_stage(
         tiny_qat_run, tmp_path, monkeypatch):
     """OpenVINO's compiler refusing openvino-qat had failed the stage after torch-qat was
     listed (and quantize --auto then said QAT made nothing, with torch-qat in the manifest)."""
-    from stages.run.errors import NotMade
-    from stages.runtimes import openvino as openvino_runtime
     from tests.conftest import _copy
 
     run = _copy(tiny_qat_run["run"], tmp_path / "artifacts")
-
-    def refuses(*_, **__):
-        raise NotMade("OpenVINO cannot compile the model: a test's refusal")
-
-    real = qat_runtime.parity_with_torch_qat  # ort-qat kept, so that openvino-qat is tried
-    monkeypatch.setattr(qat_runtime, "parity_with_torch_qat", lambda name, reference, logits:
-                        real(name, reference, logits) | {"top1_agreement": 1.0})
-    monkeypatch.setattr(openvino_runtime, "compile_model", refuses)
+    # ort-qat kept whatever its parity, so that openvino-qat is tried, and refused.
+    monkeypatch.setattr(qat, "CHILD", "tests.stages.crashing_child:qat_openvino_refusing")
     made = qat.run(QatConfig(epochs=1, quiet=True), run)
     assert made == ["torch-qat", "ort-qat"]
     assert made[0] == "torch-qat" and "openvino-qat" not in made
     assert [n for n in ("torch-qat", "ort-qat", "openvino-qat") if n in run.artifacts()] == made
+
+
+@pytest.mark.slow
+def test_a_runtime_that_crashes_while_a_qat_variant_is_made_costs_that_variant(
+        tiny_qat_run, tmp_path, monkeypatch):
+    """ort-qat's making dies of a real SIGSEGV: it had ended the stage (and quantize --auto
+    with it); now torch-qat stands, ort-qat is not made and config.json's qat record says why,
+    and openvino-qat, read from ort-qat, says it was not kept."""
+    from tests.conftest import _copy
+
+    run = _copy(tiny_qat_run["run"], tmp_path / "artifacts")
+    monkeypatch.setattr(qat, "CHILD", "tests.stages.crashing_child:qat_crashing")
+    made = qat.run(QatConfig(epochs=1, quiet=True), run)
+    assert made == ["torch-qat"]
+    assert [n for n in ("torch-qat", "ort-qat", "openvino-qat") if n in run.artifacts()] == made
+    assert run.recorded_config("qat")["not_kept"] == {
+        "ort-qat": "not made: its runtime crashed (SIGSEGV) while it was made"}
+    assert not list((run.root / "quantize").glob(".*"))  # the crashed child's scratch: gone
