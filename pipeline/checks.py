@@ -153,11 +153,12 @@ def parse_int_list(flag: str, text: str) -> tuple[int, ...]:
 def no_choices_under_auto(config) -> None:
     """--auto searches ort-static's calibration, weight scales, types and format itself: one of
     them given beside it had been dropped without a word (a QOperator asked for came out QDQ)."""
-    given = [flag for flag, value, default in (
-        ("--calibration-method", config.calibration_method, None),
-        ("--per-channel/--per-tensor", config.per_channel, None),
-        ("--ort-types", config.ort_types, "u8s8"), ("--ort-format", config.ort_format, "qdq"))
-        if value != default]
+    defaults = {field.name: field.default for field in dataclasses.fields(config)}
+    given = [flag for flag, name in (
+        ("--calibration-method", "calibration_method"), ("--per-channel/--per-tensor",
+                                                         "per_channel"),
+        ("--ort-types", "ort_types"), ("--ort-format", "ort_format"))
+        if getattr(config, name) != defaults[name]]
     if given:
         raise ValueError(f"--auto chooses ort-static's {', '.join(given)} itself; drop "
                          f"{'it' if len(given) == 1 else 'them'} or drop --auto")
