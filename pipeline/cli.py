@@ -97,19 +97,21 @@ RESUME_TAKES = ("workers", "loader_timeout")
 
 @cli.command(context_settings=CONTEXT)
 @click.option("--resume", is_flag=True, help="Continue the latest run (or --run NAME) from its "
-              "newest good checkpoint, with the configuration it was started with.")
+              "newest good checkpoint, with the configuration it was started with (of the "
+              "train flags, --workers and --loader-timeout may be given).")
 @stage_options("train")
 @run_options
 @click.pass_context
 def train(ctx: click.Context, resume: bool, **flags) -> Processor:
     """Train the `amp` model and the `fp32` baseline; save fp32 master-weight checkpoints."""
     take_run_options(ctx, flags)
-    todays = [k for k in RESUME_TAKES if flags[k] is not None] if resume else []
+    table = ctx.obj["file"].get("train", {})
+    todays = [k for k in RESUME_TAKES if flags[k] is not None or k in table] if resume else []
     if resume:
         given = [f"--{k.replace('_', '-')}" for k, v in flags.items()
                  if v is not None and k not in todays] + (
-            ["--seed"] if "seed" in ctx.obj["given"] else []) + (
-            ["the [train] table of --config"] if ctx.obj["file"].get("train") else [])
+            ["--seed"] if "seed" in ctx.obj["given"] else []) + [
+            f"{k} from the [train] table of --config" for k in table if k not in RESUME_TAKES]
         if given:
             raise click.UsageError(f"--resume continues with the run's saved configuration; "
                                    f"drop {', '.join(given)}")

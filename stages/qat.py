@@ -28,7 +28,7 @@ from stages.run.artifacts import Run
 from stages.run.errors import Diverged, NotMade, PipelineError
 from stages.run.progress import say
 from stages.runtimes import qat as qat_runtime
-from stages.runtimes.context import QuantContext, context
+from stages.runtimes.context import QuantContext, context, remove_leftovers
 from stages.training import batchnorm, plans
 from stages.training.loop import Hooks, Loop, Parts, Seen, decay_groups, fit
 from stages.training.precision import Precision, grad_scaler, resolve_device, seed_everything
@@ -259,7 +259,8 @@ def run(config, run: Run) -> list[str]:
         for name in names:
             run.unregister(name)
         made = _make(ctx, [name for name in names if name not in from_files], tuned)
-    return made + _made_apart(config, run, from_files)
+        del tuned  # the child loads what it needs from the run: not held twice meanwhile
+    return made + (_made_apart(config, run, from_files) if made else [])
 
 
 def _make(ctx: QuantContext, names: list[str], tuned, doing=None) -> list[str]:
@@ -284,8 +285,8 @@ def _make_in_child(doing, config, run: Run, names: list[str]) -> list[str]:
 
 def _made_apart(config, run: Run, names: list[str]) -> list[str]:
     """``names`` made in a child (_make_in_child); where a runtime crashes it, the variant it
-    was making is not made, config.json's qat record says why, and the others are made again
-    in a fresh child (what is read from the crashed one then says it was not kept)."""
+    was making and those read from it are not made, config.json's qat record says why, and
+    the others are made again in a fresh child."""
     from stages.run import isolated
 
     left, lost, made = list(names), {}, []
@@ -301,13 +302,24 @@ def _made_apart(config, run: Run, names: list[str]) -> list[str]:
                                         "with --debug output") from None
                 say(f"qat: {name}: {crash}; making the others again without it",
                     quiet=config.quiet)
-                run.unregister(name)
-                lost[name] = (f"not made: its runtime crashed ({crash.signal_name}) while it "
-                              "was made")
-                left.remove(name)
+                for gone in [n for n in left if name in _read_from(n)]:
+                    run.unregister(gone)
+                    lost[gone] = (f"not made: its runtime crashed ({crash.signal_name}) while "
+                                  "it was made" if gone == name else
+                                  f"not made: it is read from {name}, whose runtime crashed")
+                    left.remove(gone)
     finally:
         isolated.release()
-    if lost:
+    if lost:  # the crashed child's scratch folder, where no later child removed it
+        remove_leftovers(run.root / "quantize")
         recorded = run.recorded_config("qat")
         run.record_config("qat", recorded | {"not_kept": recorded.get("not_kept", {}) | lost})
     return made
+
+
+def _read_from(name: str) -> list[str]:
+    """``name`` and the variants it is read from, back to the float model."""
+    chain = [name]
+    while chain[-1] in runtimes.VARIANTS:
+        chain.append(runtimes.VARIANTS[chain[-1]].source)
+    return chain

@@ -13,7 +13,7 @@ from stages import runtimes
 from stages.run.artifacts import Run
 from stages.run.errors import NotMade, PipelineError, UsageError
 from stages.run.progress import say
-from stages.runtimes.context import context, source_of
+from stages.runtimes.context import context, remove_leftovers, source_of
 
 
 def plan(run: Run, methods: tuple[str, ...]) -> list[str]:
@@ -127,6 +127,8 @@ def run_as_deployed(config, target: Run, qat_config=None) -> list[str]:
                     break
     finally:
         isolated.release()  # the report measures in a fresh process, as when run alone
+    if crashed:  # the crashed child's scratch folder, where no later child removed it
+        remove_leftovers(target.root / "quantize")
     for name in crashed:  # what an earlier quantize made under the name is not this run's
         target.unregister(name)
     if crashed:

@@ -334,7 +334,8 @@ def _set_up(config, run: Run, resume: bool) -> tuple:
     world = distributed.current()
     if world.active and device.type == "cuda":
         device = torch.device("cuda", world.local_rank)
-    saved = run.recorded_config("train") if resume else {}
+    # Rank 0's reading: a rank that read the file apart could see another record.
+    saved = distributed.broadcast(run.recorded_config("train")) if resume else {}
     # Rank 0's answer: ranks on CPUs of two kinds would otherwise train different variants.
     precision = Precision(saved["resolved_precision"]) if "resolved_precision" in saved \
         else Precision(distributed.broadcast(resolve_precision(config.precision, device).name))
@@ -350,16 +351,20 @@ def _set_up(config, run: Run, resume: bool) -> tuple:
     # only what had not been recorded.
     recorded = asdict(config) | {"resolved_device": str(device), "world_size": world.world_size,
                                  "data": splits.identity(), "recipe": recipe(config, splits)}
-    record = (lambda more: run.record_config("train", recorded | more)) if world.is_main \
-        else (lambda more: None)
-    record({key: saved[key] for key in RESOLVED_IN_SET_UP if key in saved})
+    recorded |= {key: saved[key] for key in RESOLVED_IN_SET_UP if key in saved}
+
+    def record(settled: dict) -> None:  # each write holds all the ones before it
+        recorded.update(settled)
+        if world.is_main:
+            run.record_config("train", recorded)
+
+    record({})
     chosen_by = saved.get("precision_chosen_by", "")
     if "resolved_precision" not in saved:  # a resume keeps its precision, and why
         precision, chosen_by = choose_precision(config, splits, precision, device)
-    settled = {"resolved_precision": precision.name, "precision_chosen_by": chosen_by}
-    record(settled)
+    record({"resolved_precision": precision.name, "precision_chosen_by": chosen_by})
     lr, found_by = lr_range.peak_lr(config, splits, precision, device, run, saved)
-    record(settled | {"resolved_lr": lr, "lr_found_by": found_by})
+    record({"resolved_lr": lr, "lr_found_by": found_by})
     if world.is_main:
         record_preprocessing(run, splits, config.dataset, "train")
     return device, precision, splits, replace(config, lr=lr)

@@ -121,8 +121,8 @@ def time_below_amx(run: Run, config, threads: int, rows: list[dict]) -> list[dic
                                      threads, names, environment=below)
     except isolated.Crashed as crash:
         say(f"report: timing below AMX stopped: {crash}", quiet=config.quiet)
-        record = crash_record(crash) or {"name": "timing below AMX", "signal": crash.signal_name,
-                                         "runtime": "oneDNN"}
+        record = crash_record(crash) or {"name": "a variant", "signal": crash.signal_name,
+                                         "runtime": "its runtime"}
         return [record | {"phase": BELOW_AMX_PHASE, "onednn_max_cpu_isa": BELOW_AMX}]
     for row in rows:
         if row["name"] not in names:

@@ -255,7 +255,7 @@ def context(run: Run, config, stage: str, record: bool = True,
                          f"with 'pipeline --run {run.name} train --resume', or train again")
     folder = run.root / "quantize"
     folder.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(folder)
+    remove_leftovers(folder)
     splits = splits_of_run(run)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".scratch-") as scratch:
         spec = run.entry(source)["model_spec"]
@@ -284,10 +284,10 @@ def context(run: Run, config, stage: str, record: bool = True,
             torch.set_num_threads(before)
 
 
-def _remove_leftovers(folder: Path) -> None:
-    """What a process killed mid-stage left in quantize/ (a quantize child that a runtime
-    crashed, a SIGKILL): temporary files and scratch folders, never a file under a real name.
-    One process holds the run's lock, so none of them is in use."""
+def remove_leftovers(folder: Path) -> None:
+    """What a process killed mid-stage left in quantize/ (a quantize or qat child that a
+    runtime crashed, a SIGKILL): temporary files and scratch folders, never a file under a real
+    name. One process holds the run's lock, so none of them is in use."""
     remove_stale_temporaries(folder)
     for scratch in folder.glob(".scratch-*"):
         shutil.rmtree(scratch, ignore_errors=True)

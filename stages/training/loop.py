@@ -292,7 +292,8 @@ class Loop:
         hits = state.get("val_hits") or {}
         self.best_hits, self.last_hits = hits.get("best"), hits.get("last")
         # A run of GradScaler's skips goes on across a resume as it does across epochs.
-        self.in_a_row = torch.tensor(state.get("skipped_in_a_row", 0), device=self.device)
+        self.in_a_row = torch.tensor(state.get("skipped_in_a_row", state["totals"].get(
+            "in_a_row", 0)), device=self.device)
         restore_rng(state["rng"])
 
 

@@ -111,10 +111,14 @@ def test_resume_takes_how_the_data_loads_and_refuses_a_seed_or_a_config_table(tm
     seeded = invoke("--seed", "3", "train", "--resume")
     assert seeded.exit_code == 2 and "drop --seed" in seeded.stderr
     table = tmp_path / "pipeline.toml"
-    table.write_text("[train]\nepochs = 3\n")
+    table.write_text("[train]\nepochs = 3\nworkers = 0\n")
     configured = invoke("--config", str(table), "train", "--resume")
-    assert configured.exit_code == 2 and "drop the [train] table of --config" in configured.stderr
+    assert configured.exit_code == 2
+    assert "drop epochs from the [train] table of --config" in configured.stderr
     assert len(got) == 1
+    table.write_text("[train]\nloader_timeout = 60.0\n[quantize]\nmethods = \"ort-static\"\n")
+    assert invoke("--config", str(table), "train", "--resume").exit_code == 0
+    assert got[1] == (0, True, ("loader_timeout",))
 
 
 @pytest.mark.slow
