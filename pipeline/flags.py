@@ -50,7 +50,7 @@ TRAIN = DATA | {
     "batch_size": Flag("Images a step."),
     "lr": Flag("Peak learning rate of SGD (cosine, warm-up); auto: found by a learning-rate "
                "range test (150 steps, then 450 where the loss did not fall; under --time at "
-               "most a tenth of it). Where a test would outrun training or its share, the "
+               "most a fifth of it). Where a test would outrun training or its share, the "
                "linear-scaling rule; where neither can be read, the best on validation of the "
                "rule and its quarters, 450 steps each (under --time, the rule).",
                metavar="LR|auto"),

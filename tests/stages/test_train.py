@@ -509,7 +509,7 @@ def test_a_range_test_whose_loss_never_fell_runs_once_more_held_longer(tmp_path,
 
 def test_under_time_a_range_test_too_slow_for_its_share_gives_way_to_the_rule(tmp_path,
                                                                               monkeypatch):
-    """--time 60s: the range test may take a tenth of it. Its first steps, on a clock that
+    """--time 60s: the range test may take a fifth of it. Its first steps, on a clock that
     moves 10 s a call (2 s a step), say its 150 steps would take 300 s, so it stops there and
     the linear-scaling rule gives the peak (at 224x224 the test took 11 minutes of a
     10-minute budget), recorded with why and shown in the report's sentence."""
@@ -527,15 +527,15 @@ def test_under_time_a_range_test_too_slow_for_its_share_gives_way_to_the_rule(tm
     lr, why = lr_range.peak_lr(config, splits, FP32, torch.device("cpu"), run, {})
     assert lr == pytest.approx(0.025) and "lr-range" not in run.artifacts()
     assert why == ("linear-scaling rule (0.1 per 256 images a step; a range test of 150 steps "
-                   "would take about 300 s, over the 6 s left of its tenth of --time)")
+                   "would take about 300 s, over the 12 s left of its 20% of --time)")
     assert _lr_sentence({"learning_rate": {"value": lr, "found_by": why}}) == (
         " Peak learning rate 0.025, by Goyal et al.'s linear-scaling rule (0.1 per 256 images a "
-        "step): a range test of 150 steps would take about 300 s, over the 6 s left of its "
-        "tenth of --time.")
+        "step): a range test of 150 steps would take about 300 s, over the 12 s left of its "
+        "20% of --time.")
 
 
-def test_under_time_two_unreadable_tests_share_one_tenth_and_no_rates_are_probed(monkeypatch):
-    """--time 60s: the second test gets what the first left of the 6 s share, and where it
+def test_under_time_two_unreadable_tests_share_one_fifth_and_no_rates_are_probed(monkeypatch):
+    """--time 60s: the second test gets what the first left of the 12 s share, and where it
     cannot be read either the rule stands (the probes train 450 steps a rate, past any share),
     once the pixels show the labels belong to the images."""
     from types import SimpleNamespace
@@ -547,7 +547,7 @@ def test_under_time_two_unreadable_tests_share_one_tenth_and_no_rates_are_probed
 
     def unreadable(config, splits, precision, device, steps=lr_range.MAX_STEPS, seconds=None):
         allowed.append(seconds)
-        clock[0] += 2.5  # each test takes 2.5 s of the 6
+        clock[0] += 2.5  # each test takes 2.5 s of the 12
         raise lr_range.NeverFell([1e-3, 1.0], "the smoothed loss went from 2.3 to 2.29")
 
     def never(*args):
@@ -559,7 +559,7 @@ def test_under_time_two_unreadable_tests_share_one_tenth_and_no_rates_are_probed
                         lambda splits, seed: ("the pixels scored 90.0%", True))
     config = TrainConfig(**TINY_TRAIN | {"lr": "auto", "time": "60s"})
     lr, why = lr_range.peak_lr(config, None, FP32, None, None, {})
-    assert lr == pytest.approx(0.025) and allowed == [6.0, 3.5]
+    assert lr == pytest.approx(0.025) and allowed == [12.0, 9.5]
     assert why.endswith("(the smoothed loss went from 2.3 to 2.29), and under --time no rates "
                         "are probed; the pixels scored 90.0%)")
 
@@ -846,7 +846,7 @@ def test_resume_takes_the_runs_own_configuration_with_todays_quiet_and_device(tm
 
 def test_a_run_stopped_during_its_range_test_resumes_and_tests_again(tmp_path, monkeypatch):
     """config.json had been written after the range test: a run stopped while it ran (up to
-    a tenth of --time, minutes at 224x224) had no configuration to resume, and --resume takes
+    a fifth of --time, minutes at 224x224) had no configuration to resume, and --resume takes
     no flags. Now the flags are recorded first, and the resume runs the test again."""
     from stages.training import lr_range
 
