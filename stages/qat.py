@@ -28,7 +28,13 @@ from stages.run.artifacts import Run
 from stages.run.errors import Diverged, NotMade, PipelineError
 from stages.run.progress import say
 from stages.runtimes import qat as qat_runtime
-from stages.runtimes.context import QuantContext, context, remove_leftovers
+from stages.runtimes.context import (
+    MAKING,
+    QuantContext,
+    context,
+    remove_leftovers,
+    sources,
+)
 from stages.training import batchnorm, plans
 from stages.training.loop import Hooks, Loop, Parts, Seen, decay_groups, fit
 from stages.training.precision import Precision, grad_scaler, resolve_device, seed_everything
@@ -238,7 +244,6 @@ def _has_non_finite(model) -> bool:
             or any(b.is_floating_point() and torch.isnan(b).any() for b in model.buffers()))
 
 
-MAKING = "making "
 CHILD = "stages.qat:_make_in_child"  # a test swaps in a child whose variant crashes
 
 
@@ -302,7 +307,7 @@ def _made_apart(config, run: Run, names: list[str]) -> list[str]:
                                         "with --debug output") from None
                 say(f"qat: {name}: {crash}; making the others again without it",
                     quiet=config.quiet)
-                for gone in [n for n in left if name in _read_from(n)]:
+                for gone in [n for n in left if name in sources(run, n)]:
                     run.unregister(gone)
                     lost[gone] = (f"not made: its runtime crashed ({crash.signal_name}) while "
                                   "it was made" if gone == name else
@@ -316,10 +321,3 @@ def _made_apart(config, run: Run, names: list[str]) -> list[str]:
         run.record_config("qat", recorded | {"not_kept": recorded.get("not_kept", {}) | lost})
     return made
 
-
-def _read_from(name: str) -> list[str]:
-    """``name`` and the variants it is read from, back to the float model."""
-    chain = [name]
-    while chain[-1] in runtimes.VARIANTS:
-        chain.append(runtimes.VARIANTS[chain[-1]].source)
-    return chain

@@ -13,7 +13,7 @@ from stages import runtimes
 from stages.run.artifacts import Run
 from stages.run.errors import NotMade, PipelineError, UsageError
 from stages.run.progress import say
-from stages.runtimes.context import context, remove_leftovers, source_of
+from stages.runtimes.context import MAKING, context, remove_leftovers, source_of, sources
 
 
 def plan(run: Run, methods: tuple[str, ...]) -> list[str]:
@@ -81,7 +81,6 @@ def run(config, run: Run, qat_config=None, doing=lambda _: None) -> list[str]:
     return names
 
 
-MAKING = "making "
 STATIC_INT8 = ("torch-static", "ort-static", "openvino-int8")  # what quantization-aware
 # training makes again from fine-tuned weights (torch-qat, ort-qat, openvino-qat)
 CHILD = "stages.quantize:_run_in_child"  # a test swaps in a child whose variant crashes
@@ -117,7 +116,7 @@ def run_as_deployed(config, target: Run, qat_config=None) -> list[str]:
                     quiet=config.quiet)
                 planned = plan(target, asked.methods)
                 for lost in (m for m in dict.fromkeys([*planned, *_listed_variants(target)])
-                             if name in _sources(target, m)):
+                             if name in sources(target, m)):
                     crashed[lost] = (f"not made: its runtime crashed ({crash.signal_name}) "
                                      "while it was made" if lost == name else
                                      f"not made: it is made from {name}, whose runtime crashed")
@@ -148,20 +147,12 @@ def _not_made(ctx, names: list[str], failed: str, exc: NotMade) -> None:
     ctx.refuse(failed, f"not made: {exc}")
     # What an earlier quantize made from it goes too: listed with no source, it failed the report.
     for later in dict.fromkeys([*names, *_listed_variants(ctx.run)]):
-        if later != failed and later not in ctx.refused and failed in _sources(ctx.run, later):
+        if later != failed and later not in ctx.refused and failed in sources(ctx.run, later):
             ctx.refuse(later, f"not made: it is made from {failed}, which could not be made")
 
 
 def _listed_variants(run: Run) -> list[str]:
     return [name for name in run.artifacts() if name in runtimes.VARIANTS]
-
-
-def _sources(run: Run, name: str) -> list[str]:
-    """``name`` and what it is made from, to the float model."""
-    chain = [name]
-    while (source := source_of(run, chain[-1])) is not None:
-        chain.append(source)
-    return chain
 
 
 def _run_in_child(doing, config, target: Run) -> list[str]:

@@ -322,9 +322,6 @@ def run(config, run: Run, resume: bool = False,
     return results
 
 
-RESOLVED_IN_SET_UP = ("resolved_precision", "precision_chosen_by", "resolved_lr", "lr_found_by")
-
-
 def _set_up(config, run: Run, resume: bool) -> tuple:
     """The device, the precision (a resume's own), the data, and the config with its learning
     rate resolved; rank 0 records them in the run."""
@@ -349,9 +346,9 @@ def _set_up(config, run: Run, resume: bool) -> tuple:
     # Recorded as each part is settled, so that a run stopped while the precision is timed or
     # the range test runs can be resumed (--resume reads its flags back from here), redoing
     # only what had not been recorded.
-    recorded = asdict(config) | {"resolved_device": str(device), "world_size": world.world_size,
-                                 "data": splits.identity(), "recipe": recipe(config, splits)}
-    recorded |= {key: saved[key] for key in RESOLVED_IN_SET_UP if key in saved}
+    recorded = saved | asdict(config) | {"resolved_device": str(device), "world_size":
+                                         world.world_size, "data": splits.identity(),
+                                         "recipe": recipe(config, splits)}
 
     def record(settled: dict) -> None:  # each write holds all the ones before it
         recorded.update(settled)
@@ -375,9 +372,9 @@ def _train_each(variants: list, splits: DataSplits, config, run: Run, device,
     """Each variant trained in turn; with ``resume``, one already listed is read back."""
     results = []
     # --time holds for the stage (loading the data and the range test ``spent`` some) and is
-    # shared by the models, not spent twice. Each model's share counts its time before a
-    # resume too (its restored wall clock), so a resumed amp keeps the share it started with:
-    # shared among the models still to train, it had been given the baseline's share as well.
+    # shared by the models, not spent twice. These shares are for models starting afresh: one
+    # resumed from a checkpoint keeps the share it started with (Totals.budget, train_variant),
+    # its time before the resume counted (its restored wall clock).
     each = max(0.0, config.time - spent) / len(variants) if config.time else None
     # What a model takes past its share (scoring the test split, the memory probe: outside
     # its epochs' plan) comes off the later models', so that the stage keeps to --time.

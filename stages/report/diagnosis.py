@@ -5,12 +5,8 @@ from __future__ import annotations
 
 from stages.measure.evaluate import PARITY_MIN_AGREEMENT
 from stages.report import profile
-from stages.report.recommendation import (
-    BELOW_AMX_PHASE,
-    accuracy_drop,
-    cap_that_pays,
-    worst_accuracy_drop,
-)
+from stages.report.measuring import BELOW_AMX_PHASE
+from stages.report.recommendation import accuracy_drop, cap_that_pays, worst_accuracy_drop
 
 NO_VNNI = ("this CPU has no VNNI, so int8 kernels multiply through 16-bit steps that saturate "
            "(oneDNN's 'Nuances of int8 computations') and run little faster than float ones; "

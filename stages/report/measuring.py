@@ -82,6 +82,9 @@ def calibrations(run: Run) -> set[tuple[int, int]]:
 
 
 EXTRAS = ("reading the kernels it runs", "profiling")  # phases a row's figures stand without
+# An extras_crashed phase too: the child timing variants below AMX crashed (report/worker.py);
+# the comparison with AMX is lost, not any row.
+BELOW_AMX_PHASE = "timed below AMX"
 
 
 def measure_variants(run: Run, config, threads: int, scratch: Path, skip=(), plain=(),

@@ -10,10 +10,6 @@ from stages.runtimes import gpu
 
 DEVICES = ["cpu", "cuda"]  # the order the report times and lists them in
 
-# An extras_crashed phase: the child timing variants below AMX crashed; the comparison is lost,
-# not any row (report/worker.py, diagnosis.py).
-BELOW_AMX_PHASE = "timed below AMX"
-
 
 def faster(slower: dict, row: dict, size: str) -> dict:
     """How many times faster ``row`` ran than ``slower`` at batch ``size``, with its interval

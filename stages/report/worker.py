@@ -32,8 +32,7 @@ from pathlib import Path
 
 from stages.data.datasets import splits_of_run
 from stages.measure import machine, timing
-from stages.report.measuring import EXTRAS, measure_variants, time_variants
-from stages.report.recommendation import BELOW_AMX_PHASE
+from stages.report.measuring import BELOW_AMX_PHASE, EXTRAS, measure_variants, time_variants
 from stages.run import isolated
 from stages.run.artifacts import Run, versions
 from stages.run.errors import PipelineError

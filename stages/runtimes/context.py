@@ -42,6 +42,19 @@ def source_of(run: Run, name: str) -> str | None:
     return float_source(run) if source == runtimes.FLOAT else source
 
 
+def sources(run: Run, name: str) -> list[str]:
+    """``name`` and what it is made from, to the float model."""
+    chain = [name]
+    while (source := source_of(run, chain[-1])) is not None:
+        chain.append(source)
+    return chain
+
+
+# What a child making variants tells its parent before each one (run/isolated.py's Doing), so
+# that a native crash costs that variant: quantize.run_as_deployed, qat._made_apart.
+MAKING = "making "
+
+
 @dataclass
 class QuantContext:
     """What every runtime's make function gets: the run, the float model, training images
@@ -268,7 +281,9 @@ def context(run: Run, config, stage: str, record: bool = True,
         # candidates and ranks them as the report will time them. torch's own default (its
         # count of physical cores) had timed at 1 thread what the report timed at 2.
         threads, before = inference_threads(), torch.get_num_threads()
-        if stage == "quantize":  # qat trains in its caller's process, with its threads
+        # qat fine-tunes in its caller's process, with its threads; its child checks ort-qat and
+        # openvino-qat at one thread each, as the makers ask their runtimes for.
+        if stage == "quantize":
             torch.set_num_threads(threads)
         try:
             ctx = QuantContext(run, config, splits, spec, staging, Path(scratch), source,

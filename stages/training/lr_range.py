@@ -84,10 +84,10 @@ RANGE_TEST = "range test"
 LINEAR_SCALING = "linear-scaling rule (0.1 per 256 images a step; a range test would take more " \
                  "than twice the training's steps)"
 # Under --time the tests may take a fifth of the budget, judged from their first steps' pace. A
-# tenth had left the second test out for efficientnet_b0 and mobilenet_v2 on photos10 (its 450
-# steps about 80 and 45 s, after a first of 28 and 16), and the linear-scaling rule's 0.025 then
-# trained them to 58.65% and 58.15% in --time 10m, against 59.95% and 59.55% at the rates the
-# second test read (0.0131, 0.0071; Zen 4, one run each).
+# tenth had left the second test out for efficientnet_b0 and mobilenet_v2 on photos10
+# (efficientnet_b0's "would take about 80 s, over the 29 s left"), and the linear-scaling rule's
+# 0.025 then trained them to 58.65% and 58.15% in --time 10m; with a fifth the second test
+# reads 0.0131 and 0.0071 and they reach 59.20% and 60.65% (docs/measurements.md, Zen 4).
 TIME_SHARE = 0.2
 PACE_STEPS = 6  # the first step (warm-up) left out, the pace of the next five
 SKIPPED_START = 5  # the first steps' smoothed loss stands on too few batches to judge a slope
