@@ -46,8 +46,9 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 @click.option("--seed", type=click.IntRange(0, checks.MAX_SEED), default=0, show_default=True,
               help="Seeds initial weights, data order, splits and calibration samples.")
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False,
-              path_type=Path), help="TOML file with a table per stage: [train], [import], "
-              "[qat], [quantize], [report], [predict], [export].")
+              path_type=Path), envvar="PIPELINE_CONFIG", help="TOML file with a table per "
+              "stage: [train], [import], [qat], [quantize], [report], [predict], [export]; "
+              "or set PIPELINE_CONFIG. A stage's flags override it.")
 @click.option("--quiet", is_flag=True, help="No progress bars or per-epoch lines.")
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 @click.pass_context

@@ -103,6 +103,9 @@ def test_config_file_fills_in_and_flags_win(tmp_path):
     config.write_text("[train]\nepoch = 1\n")
     bad = invoke("--artifacts-dir", str(tmp_path), "--config", str(config), "train")
     assert bad.exit_code == 2 and "unknown key 'epoch' in [train]" in bad.stderr
+    from_env = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path / "none"), "report"],
+                                  env={"PIPELINE_CONFIG": str(config)})
+    assert from_env.exit_code == 2 and "unknown key 'epoch' in [train]" in from_env.stderr
 
 
 def test_a_config_files_list_of_methods_is_read_as_the_comma_list_is():
