@@ -1,12 +1,13 @@
-"""The benchmark scripts that are cheap on a tiny model run here, so that one that no longer
-runs fails CI (train_speed.py once passed --lr's "auto" to SGD, and nothing noticed). Not yet
-run here: deploy_size, families and equalization.sh (a whole chain each) and gpu_checks (a
-GPU)."""
+"""Every benchmark script runs here on a tiny model, so that one that no longer runs fails CI
+(train_speed.py once passed --lr's "auto" to SGD, and nothing noticed); all but gpu_checks.py,
+which needs a GPU (benchmarks/gpu_checks.py says how a session with one runs it)."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,3 +61,50 @@ def test_nncf_qat_benchmark_runs_on_a_tiny_qat_run(tiny_qat_run, tmp_path):
     out = _script("benchmarks/nncf_qat.py", "--artifacts-dir", str(run.artifacts_dir), "--run",
                   run.name, "--epochs", "1", "--rounds", "3", env=no_compiler)
     assert "| `nncf-qat` |" in out and "nncf-qat: p50" in out
+
+
+# What the chain benchmarks' pipeline commands take from PIPELINE_CONFIG beside their own flags:
+# the tiny settings of tests/conftest.py (one int8 variant, a short timing).
+TINY_CHAIN = """[train]
+batch_size = 64
+lr = 0.05
+measure_memory = false
+[quantize]
+methods = "ort-static"
+calibration_samples = 64
+[report]
+rounds = 5
+max_rounds = 5
+repeats = 4
+warmup = 1
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.longest
+def test_the_chain_benchmarks_run_on_a_tiny_model(tmp_path):
+    from tests.stages.data.test_datasets import _write_idx
+
+    (tmp_path / "tiny.toml").write_text(TINY_CHAIN)
+    env = {"PIPELINE_CONFIG": str(tmp_path / "tiny.toml")}
+    where = ["--artifacts-dir", str(tmp_path / "artifacts")]
+    out = _script("benchmarks/deploy_size.py", "--models", "smallcnn", "--image-size", "8",
+                  *where, env=env)
+    row = next(line for line in out.splitlines() if line.startswith("| smallcnn | "))
+    assert row.count("(`ort-static`)") == 2, row  # the only int8 variant, at batches 1 and 32
+    # deploy_size's run, reused as a trained one (its --dataset and --train-time then unused);
+    # --modes auto: the defaults' mode differs only in the flags it passes.
+    out = _script("benchmarks/families.py", "--models", "smallcnn", "--modes", "auto", *where,
+                  env=env)
+    assert "| smallcnn | auto | ort-static | " in out and "smallcnn: training" not in out
+    rng = np.random.default_rng(0)
+    _write_idx(tmp_path / "letters" / "MNIST" / "raw", "train", 600, rng)
+    _write_idx(tmp_path / "letters" / "MNIST" / "raw", "t10k", 100, rng)
+    done = subprocess.run(["bash", "benchmarks/equalization.sh", str(tmp_path / "letters"),
+                           "smallcnn", str(tmp_path / "equalization")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env=os.environ | env | {"EPOCHS": "1", "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stderr[-2000:]
+    for choice in ("no-equalize", "equalize"):
+        for name in ("torch-static", "ort-static"):
+            assert re.search(rf"^--{choice} +{name} .* points, logit MSE", done.stdout, re.M)
