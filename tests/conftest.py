@@ -41,6 +41,9 @@ def _share_of_the_cpus() -> int:
 
 
 THREADS = _share_of_the_cpus()
+# A developer's own settings (pipeline --help names these) must not reach the tests' commands.
+for _name in ("PIPELINE_CONFIG", "PIPELINE_RUN", "PIPELINE_ARTIFACTS_DIR"):
+    os.environ.pop(_name, None)
 
 from stages.training.precision import cap_isa_for_bf16_training  # noqa: E402
 
