@@ -28,7 +28,7 @@ def test_no_code_unpickles_evaluates_text_or_calls_a_banned_api():
 
 
 PLANTED = """\
-import pickle
+import marshal, pickle
 
 import torch
 from torch.ao.quantization.quantize_fx import prepare_fx
@@ -38,6 +38,8 @@ program = torch.export.load("model.pt2")
 script = torch.jit.load("model.ts")
 payload = pickle.loads(b"")
 value = eval("1 + 1")
+code = marshal.loads(b"")
+exec("x = 1")
 """
 
 
@@ -49,7 +51,7 @@ def test_the_rules_flag_each_banned_call_and_exempt_only_their_one_file():
     found = {(int(line.split(":")[1]), line.split()[1]) for line in flagged.stdout.splitlines()
              if line.startswith("stages/planted.py:")}
     assert found == {(4, "TID251"), (6, "TID251"), (7, "TID251"), (8, "TID251"),
-                     (9, "S301"), (10, "S307")}, flagged.stdout
+                     (9, "S301"), (10, "S307"), (11, "S302"), (12, "S102")}, flagged.stdout
     for allowed, line in (("stages/run/loading.py", 6), ("stages/export/predict_torch.py", 7)):
         proc = _ruff("--stdin-filename", allowed, "-", stdin=PLANTED)
         lines = {int(found.split(":")[1]) for found in proc.stdout.splitlines()
