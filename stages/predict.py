@@ -166,7 +166,9 @@ def arguments(doc: str, folder: Path):
     folder's files checked against its manifest.json before the model is loaded (exit 1)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="predict.py", description=doc.split("\n\n")[0],
+    # The whole docstring: what the script needs, and for a torch model that loading its file
+    # can run code (its second paragraph), belong in --help.
+    parser = argparse.ArgumentParser(prog="predict.py", description=doc.strip(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", metavar="IMAGE_OR_FOLDER")
     parser.add_argument("--top-k", type=int, default=1, help="classes printed per image")

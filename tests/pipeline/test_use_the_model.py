@@ -306,6 +306,10 @@ def test_other_runtimes_export_and_predict_the_same_top_1(tiny_run, tmp_path, na
     assert result.exit_code == 0, result.stderr
     if name.startswith("torch") or name == "amp":
         assert "model.pt2 is torch.export's format, whose loader can run code" in result.stderr
+        # and the folder's own script says it to whoever runs it later
+        helped = subprocess.run([sys.executable, str(out / "predict.py"), "--help"],
+                                capture_output=True, text=True, timeout=60)
+        assert "loading it can run code" in " ".join(helped.stdout.split()), helped.stdout
     paths, _ = _digit_files(tmp_path / "digits")
     # The code Inductor generates, on stderr: an int8 graph must compile to int8 kernels there
     # as in the report (without torchao's passes it compiled to float convolutions).

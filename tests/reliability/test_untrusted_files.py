@@ -18,20 +18,6 @@ from stages.run import files, loading
 from stages.run.errors import PipelineError
 from stages.runtimes.onnxruntime import ort_session
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-# The exported folder's own script for PyTorch variants (issue 23: torch.export's format, the
-# one torch users load): it runs outside the project, and says first that loading can run code.
-EXPORTED_TORCH_SCRIPT = ROOT / "stages" / "export" / "predict_torch.py"
-
-
-def test_the_exported_torch_script_says_first_that_loading_can_run_code():
-    """The one torch.export.load ruff allows (tests/test_lint.py) is in this script."""
-    text = EXPORTED_TORCH_SCRIPT.read_text()
-    assert "loading it can run code" in text
-    assert text.index("loading it can run code") < text.index("torch.export.load(")
-
 
 class Payload:
     """Unpickling this runs ``open(marker, 'w')``: the side effect the tests look for."""
