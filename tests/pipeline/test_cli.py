@@ -89,17 +89,21 @@ def test_help_does_not_import_torch():
     assert out.stdout.strip().endswith("False")
 
 
-def test_config_file_fills_in_and_flags_win(tmp_path):
+def test_config_file_fills_in_and_flags_win(tmp_path, monkeypatch):
+    from stages import train
+
+    given = []
+    monkeypatch.setattr(train, "run", lambda config, run, **kwargs: given.append(config) or [])
     config = tmp_path / "pipeline.toml"
     config.write_text('[train]\nmodel = "smallcnn"\nimage_size = 8\nepochs = 3\nbaseline = false\n'
-                      'measure_memory = false\nseed = 3\n')  # the probe's fresh process: 9 s here
+                      'measure_memory = false\nseed = 3\n')
     result = invoke("--artifacts-dir", str(tmp_path), "--config", str(config), "--quiet",
                     "train", "--epochs", "1")
     assert result.exit_code == 0, result.stderr
-    saved = json.loads(next((tmp_path / "runs").glob("*/config.json")).read_text())["train"]
-    assert saved["epochs"] == 1 and saved["model"] == "smallcnn" and saved["baseline"] is False
-    assert saved["measure_memory"] is False
-    assert saved["seed"] == 3  # the group's --seed, not given, must not hide the file's
+    [saved] = given
+    assert saved.epochs == 1 and saved.model == "smallcnn" and saved.baseline is False
+    assert saved.measure_memory is False and saved.image_size == 8
+    assert saved.seed == 3  # the group's --seed, not given, must not hide the file's
     config.write_text("[train]\nepoch = 1\n")
     bad = invoke("--artifacts-dir", str(tmp_path), "--config", str(config), "train")
     assert bad.exit_code == 2 and "unknown key 'epoch' in [train]" in bad.stderr

@@ -94,7 +94,9 @@ def test_the_openvino_ir_pair_is_listed_and_checked_together(tiny_run):
     for name in ("openvino-fp32", "openvino-int8"):
         entry = run.entry(name)
         assert entry["path"].endswith(".xml") and entry["files"][0]["path"].endswith(".bin")
-        assert run.shipped_bytes(name) == entry["bytes"] + entry["files"][0]["bytes"]
+        on_disk = [(run.root / path).stat().st_size
+                   for path in (entry["path"], entry["files"][0]["path"])]
+        assert run.shipped_bytes(name) == sum(on_disk) and min(on_disk) > 0
     assert run.entry("openvino-fp32")["quantization"]["precision_hint"] == "f32"
     parity = run.entry("openvino-fp32")["quantization"]["parity_vs_onnx_fp32"]
     assert parity["max_abs_diff"] < 1e-4 and parity["top1_agreement"] == 1.0
@@ -216,9 +218,8 @@ def test_compiled_int8_computes_what_its_graph_says():
     """The kernels must not saturate: on a CPU without VNNI that takes 7-bit weights, on one
     with VNNI full range. Full-range weights on the AMD EPYC here (AVX2) drift by half
     the logits' spread (0.52)."""
-    options = pt2e.pt2e_options()
-    assert options["weight_bits"] == (8 if pt2e.cpu_has_vnni() else 7)
-    assert _compiled_against_its_graph(options) < 0.05
+    # (which width on which CPU: tests/stages/runtimes/test_pt2e_depthwise.py)
+    assert _compiled_against_its_graph(pt2e.pt2e_options()) < 0.05
 
 
 def test_onnx_runtime_op_counts_are_read_from_the_graph_it_runs(tiny_run):

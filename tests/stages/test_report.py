@@ -73,12 +73,12 @@ def test_report_numbers_agree_with_training_and_files(tiny_run):
         assert abs(models[name]["accuracy"] - models["onnx-fp32"]["accuracy"]) <= 1 / 360 + 1e-9
 
 
-def test_the_verdict_chooses_on_validation_images_never_on_the_test_split(tiny_run):
+def test_a_real_reports_choice_is_the_fastest_variant_within_the_budget_at_worst(tiny_run):
+    """On every batch size, of the real rows (validation against test: the test below)."""
     data = tiny_run["report"]
     models = {m["name"]: m for m in data["models"]}
     v = data["verdict"]
     budget = v["max_accuracy_drop_points"]
-    assert v["chosen_on"].startswith("validation")
     for size, choice in v["per_batch_size"].items():
         chosen = models[choice["recommended"]]
         # The budget holds what a variant may lose at worst (one-sided 95%), not the measured drop
@@ -87,7 +87,6 @@ def test_the_verdict_chooses_on_validation_images_never_on_the_test_split(tiny_r
                     if -m["validation"]["change_vs_reference"]["worst"] * 100 <= budget + 1e-9]
         assert chosen["latency_ms"][size]["p50"] == min(m["latency_ms"][size]["p50"]
                                                          for m in eligible)
-    assert v["test_accuracy"] == models[v["recommended"]]["test"]["accuracy"]
 
 
 def test_a_bf16_float_variant_is_the_fastest_float_and_the_fastest_fp32_is_named_beside_it():

@@ -44,8 +44,16 @@ def test_a_compiled_model_builds_a_graph_for_each_batch_size_it_is_timed_at():
     beyond it a recompile fails rather than falling back."""
     import torch
     import torch._dynamo.config as dynamo_config
+    from torch._dynamo.testing import CompileCounter
 
     with dynamo_config.patch(recompile_limit=8, fail_on_recompile_limit_hit=False):
         inductor.compile_module(torch.nn.Linear(2, 2))  # compiled at its first call
         assert dynamo_config.recompile_limit == inductor.RECOMPILE_LIMIT >= 16
         assert dynamo_config.fail_on_recompile_limit_hit
+        # What the settings do, in torch's terms (a renamed setting would do nothing): ten
+        # batch sizes, ten graphs, where Dynamo's default stopped at eight.
+        counter = CompileCounter()
+        model = torch.compile(torch.nn.Linear(2, 2), backend=counter, dynamic=False)
+        for batch in range(1, 11):
+            model(torch.randn(batch, 2))
+        assert counter.frame_count == 10
