@@ -58,8 +58,7 @@ class Model:
         if isinstance(images, (list, tuple)):
             if not images:
                 return np.zeros((0, len(self.classes)), np.float32)
-            images = np.stack([self.checked(i) if isinstance(i, (np.ndarray, torch.Tensor))
-                               else self._read(i) for i in images])
+            images = np.stack([self._one(image) for image in images])
         batch = torch.from_numpy(self.checked(images))
         if batch.dim() == 3:
             batch = batch[None]
@@ -67,14 +66,31 @@ class Model:
             return np.zeros((0, len(self.classes)), np.float32)
         return self._loaded.predict(batch.contiguous()).numpy()
 
+    def _one(self, image) -> "numpy.ndarray":
+        """One item of a list: an array checked, a path or PIL image read and preprocessed.
+        Anything else is refused by its type: a list of numbers had reached os.stat, and an
+        integer was taken for an open file's descriptor."""
+        import numpy as np
+        import torch
+        from PIL import Image
+
+        if isinstance(image, (np.ndarray, torch.Tensor)):
+            return self.checked(image)
+        if isinstance(image, (str, os.PathLike, Image.Image)):
+            return self._read(image)
+        raise TypeError(f"predict got a list holding a {type(image).__name__}; it takes paths, "
+                        "PIL images or arrays (np.asarray(...) for array data)")
+
     def _read(self, image) -> "numpy.ndarray":
         """preprocess(), where a file that cannot be read is named with why, in one line."""
+        from stages.predict import printable
+
         try:
             return self.preprocess(image)
         except Exception as exc:  # Pillow raises many kinds (OSError for a truncated file)
             why = " ".join(str(exc).split()) or type(exc).__name__
-            raise ValueError(f"{image}: {why}; remove it from the list, or pass the others"
-                             ) from None
+            raise ValueError(f"{printable(image)}: {why}; remove it from the list, or pass the "
+                             "others") from None
 
     def checked(self, images) -> "numpy.ndarray":
         """``images`` as float32 numpy once they are known to be what this model takes."""

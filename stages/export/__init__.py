@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -131,11 +132,16 @@ def run(config, run: Run) -> Path:
     except OSError as exc:
         raise UsageError(f"cannot create {out_dir}: {exc.filename} ({exc.strerror}); give an "
                          "OUT_DIR whose parent folders you can make") from None
+    # An empty folder given (".", a container's mount point) is filled in place: removing it
+    # to rename a new one there failed for both, after the whole export. A new one is renamed
+    # into place whole.
+    in_place = out_dir.is_dir()  # and empty: check_out_dir
+    base = out_dir if in_place else out_dir.parent
     try:
-        scratch_dir = tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.")
+        scratch_dir = tempfile.TemporaryDirectory(dir=base, prefix=f".{out_dir.name}.")
     except OSError as exc:
-        raise UsageError(f"cannot write in {out_dir.parent} ({exc.strerror}); give an OUT_DIR "
-                         "in a folder you can write to") from None
+        raise UsageError(f"cannot write in {base} ({exc.strerror}); give an OUT_DIR in a folder "
+                         "you can write to") from None
     with scratch_dir as scratch:
         folder = Path(scratch) / "export"
         folder.mkdir()
@@ -155,9 +161,11 @@ def run(config, run: Run) -> Path:
         shutil.copyfile(Path(__file__).with_name(TEMPLATES[runtime]), folder / "predict.py")
         manifest = _manifest(folder, name, run.name, serving)
         (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        if out_dir.exists():
-            out_dir.rmdir()  # empty: checked above
-        folder.rename(out_dir)
+        if in_place:  # manifest.json last: predict.py refuses a folder without it
+            for path in sorted(folder.iterdir(), key=lambda p: p.name == "manifest.json"):
+                os.replace(path, out_dir / path.name)
+        else:
+            folder.rename(out_dir)
     say(f"export: {name} ({runtime}) -> {out_dir}: python {out_dir / 'predict.py'} IMAGE...",
         quiet=config.quiet)
     return out_dir

@@ -70,6 +70,21 @@ def test_each_way_of_serving_refuses_what_its_model_cannot_take(tiny_run, name):
     assert "uint8" in _one_line_refusal(model, [raw[0], raw[1]])
 
 
+def test_a_list_item_neither_a_path_an_image_nor_an_array_is_refused_by_its_type(tiny_run,
+                                                                                 tmp_path):
+    """A list of numbers had reached os.stat (a refusal thousands of numbers long), and an
+    integer was taken for an open file's descriptor ("it is a socket")."""
+    model = _model(tiny_run["run"], "ort-static")
+    good = splits_of_run(tiny_run["run"]).test.tensors[0][:1].numpy()
+    for item, kind in ((good[0].tolist(), "list"), (3, "int"), (True, "bool")):
+        assert _one_line_refusal(model, [item], TypeError) == (
+            f"predict got a list holding a {kind}; it takes paths, PIL images or arrays "
+            "(np.asarray(...) for array data)")
+    # A file name holding a newline is named on one line, escaped.
+    (tmp_path / "x\ny.png").write_text("not an image")
+    assert "x\\ny.png: " in _one_line_refusal(model, [tmp_path / "x\ny.png"])
+
+
 def test_threads_must_be_a_count(tiny_run):
     for threads in (-3, 1.5, "2", True):
         with pytest.raises(ValueError, match=r"threads=.*: give 0 \(as many as the machine has"):
@@ -345,6 +360,20 @@ def test_export_onto_a_link_to_an_empty_folder_writes_there(cheap_run, tmp_path)
     assert proc.stderr == ("predict.py: preprocessing.json does not match its sha256 in "
                            "manifest.json (changed or truncated since export); export the "
                            "variant again\n")
+
+
+def test_export_fills_the_empty_folder_it_is_run_in(cheap_run, tmp_path, monkeypatch):
+    """`pipeline export .` in an empty folder (or a container's empty mount point) had failed
+    after the whole export: it removed OUT_DIR to rename its new folder there."""
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    result = _invoke("--artifacts-dir", str(cheap_run.artifacts_dir), "export", ".",
+                     "--variant", "ort-static")
+    assert result.exit_code == 0, result.stderr
+    assert predict.verify_folder(tmp_path / "here") is None  # every file, as its manifest lists
+    assert sorted(p.name for p in (tmp_path / "here").iterdir()) == [
+        "manifest.json", "model.onnx", "predict.py", "predict_loop.py", "preprocess.py",
+        "preprocessing.json"]  # and no scratch left
 
 
 def test_a_rerun_that_succeeds_drops_the_old_error(cheap_run):
