@@ -10,10 +10,13 @@ imported inside `run`, which an exported folder never calls.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
+
+BATCH_SIZE = 64  # an exported predict.py's --batch-size, as `pipeline predict`'s
 
 if __package__:  # stages.predict, in the project
     from stages.data.preprocess import decode, to_input
@@ -144,15 +147,20 @@ def print_predictions(files, spec: dict, logits_of, batch_size: int, top_k: int,
     """One line per image on stdout (a JSON object each where ``variant`` is given), each file
     that could not be predicted named on stderr with why; returns how many were skipped."""
     skipped = 0
-    for path, result in predict_files(files, spec, logits_of, batch_size, top_k):
-        if isinstance(result, str):
-            print(f"{prog}: skipped {printable(path)}: {result}", file=sys.stderr, flush=True)
-            skipped += 1
-        elif variant is not None:
-            print(json.dumps({"path": str(path), "variant": variant, "top": [
-                {"class": name, "probability": p} for name, p in result]}), flush=True)
-        else:
-            print(result_line(path, result), flush=True)
+    try:
+        for path, result in predict_files(files, spec, logits_of, batch_size, top_k):
+            if isinstance(result, str):
+                print(f"{prog}: skipped {printable(path)}: {result}", file=sys.stderr,
+                      flush=True)
+                skipped += 1
+            elif variant is not None:
+                print(json.dumps({"path": str(path), "variant": variant, "top": [
+                    {"class": name, "probability": p} for name, p in result]}), flush=True)
+            else:
+                print(result_line(path, result), flush=True)
+    except BrokenPipeError:  # the reader left (`| head`): stop predicting, and say nothing
+        # stdout onto /dev/null, so that the interpreter's last flush finds no closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return skipped
 
 
@@ -172,7 +180,10 @@ def arguments(doc: str, folder: Path):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", metavar="IMAGE_OR_FOLDER")
     parser.add_argument("--top-k", type=int, default=1, help="classes printed per image")
-    parser.add_argument("--batch-size", type=int, default=16, help="images predicted together")
+    # pipeline predict's default (PredictConfig's): a bf16 model's near ties may round another
+    # way in another batch, and both should print the same lines
+    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE,
+                        help=f"images predicted together (default: {BATCH_SIZE})")
     args = parser.parse_args()
     if args.top_k < 1 or args.batch_size < 1:
         parser.error("--top-k and --batch-size take a whole number of at least 1")

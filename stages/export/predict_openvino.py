@@ -9,15 +9,18 @@ import json
 import sys
 from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # its neighbours, also under python -I, which leaves HERE off
 try:  # numpy and Pillow first: one missing is one line naming what to install
     import predict_loop
     import preprocess
 except ImportError as missing:
-    sys.exit(f"predict.py: this model needs {missing.name}, which cannot be imported here: pip "
-             "install " + " ".join(json.loads((Path(__file__).resolve().parent /
-                                               "manifest.json").read_text())["requires"]))
-
-HERE = Path(__file__).resolve().parent
+    if missing.name in ("predict_loop", "preprocess"):
+        sys.exit(f"predict.py: {missing.name}.py is missing from {HERE}; export the variant "
+                 "again")
+    sys.exit(f"predict.py: this model needs {missing.name}, which cannot be imported here "
+             f"({missing}): pip install "
+             + " ".join(json.loads((HERE / "manifest.json").read_text())["requires"]))
 
 if __name__ == "__main__":
     args = predict_loop.arguments(__doc__, HERE)  # before the model loads: --help, sha256

@@ -228,6 +228,33 @@ def _only_onnxruntime_numpy_pillow(folder: Path,
     return python
 
 
+def test_an_exported_predict_py_batches_as_pipeline_predict_does():
+    """A bf16 model's near ties may round another way in a batch of another size: the
+    exported script had batched 16 images where `pipeline predict` batches 64."""
+    import dataclasses
+
+    from pipeline.config import PredictConfig
+    from stages import predict
+
+    defaults = {f.name: f.default for f in dataclasses.fields(PredictConfig)}
+    assert defaults["batch_size"] == predict.BATCH_SIZE
+
+
+def test_predict_into_a_pipe_its_reader_closes_stops_without_a_word(tiny_run, tmp_path):
+    """`pipeline predict photos/ | head -3` had ended in "error: BrokenPipeError", exit 1."""
+    paths, _ = _digit_files(tmp_path / "digits", count=200)
+    run = tiny_run["run"]
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "--artifacts-dir",
+                             str(run.artifacts_dir), "--run", run.name, "predict", "--variant",
+                             "ort-static", "--batch-size", "1", str(tmp_path / "digits")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # as head does once it has its lines
+    error = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0 and error == "", error
+    assert first.startswith(str(tmp_path / "digits"))
+
+
 def test_an_exported_folder_runs_with_onnxruntime_numpy_and_pillow_alone(tiny_run, tmp_path):
     run = tiny_run["run"]
     out = tmp_path / "exported"
@@ -281,8 +308,13 @@ def test_an_exported_folder_runs_with_onnxruntime_numpy_and_pillow_alone(tiny_ru
     without = subprocess.run([str(no_pillow), str(out / "predict.py"), str(paths[0])],
                              capture_output=True, text=True, timeout=120)
     assert (without.returncode, without.stderr) == (1, (
-        "predict.py: this model needs PIL, which cannot be imported here: pip install "
-        "onnxruntime numpy pillow\n"))
+        "predict.py: this model needs PIL, which cannot be imported here (No module named "
+        "'PIL'): pip install onnxruntime numpy pillow\n"))
+    # Under python -I, which leaves the script's folder off sys.path, it finds its neighbours;
+    # one gone is named, not mistaken for a package to install.
+    isolated = subprocess.run([str(python), "-I", str(out / "predict.py"), str(paths[0])],
+                              capture_output=True, text=True, timeout=120)
+    assert isolated.returncode == 0 and isolated.stdout.startswith(str(paths[0])), isolated
     # An export never writes over a folder that holds anything.
     again = _invoke("--artifacts-dir", str(run.artifacts_dir), "--run", run.name, "export",
                     str(out))
@@ -294,6 +326,11 @@ def test_an_exported_folder_runs_with_onnxruntime_numpy_and_pillow_alone(tiny_ru
     assert under_a_file.exit_code == 2
     assert (f"cannot create {tmp_path / 'afile' / 'sub' / 'out'}: {tmp_path / 'afile'} is a file, "
             "not a folder; give another OUT_DIR") in under_a_file.stderr
+    (out / "predict_loop.py").unlink()
+    gone = subprocess.run([str(python), str(out / "predict.py"), str(paths[0])],
+                          capture_output=True, text=True, timeout=120)
+    assert (gone.returncode, gone.stderr) == (1, f"predict.py: predict_loop.py is missing from "
+                                                 f"{out.resolve()}; export the variant again\n")
 
 
 @pytest.mark.slow
