@@ -1,7 +1,8 @@
 """Predict with an exported model: python predict.py IMAGE_OR_FOLDER... [--top-k K]
 
 Prints the most probable class of each image (the K most probable with --top-k), as `pipeline
-predict` does. Needs torch, numpy and Pillow (and torchao for an int8 model); predict_loop.py
+predict` does. Needs torch, numpy and Pillow (torchao for an int8 model, and a C++ compiler
+for a compiled one, as manifest.json's serving says); predict_loop.py
 (the loop `pipeline predict` runs), preprocess.py and preprocessing.json beside this file say
 how an image becomes the model's input. model.pt2 is torch.export's format:
 loading it can run code from the file, so load only a folder whose manifest.json sha256 you
@@ -72,6 +73,15 @@ if __name__ == "__main__":
         model = model.to(memory_format=torch.channels_last)
     if serving.get("compile"):
         import logging
+        import os
+        import shutil
+
+        # Inductor builds its kernels with a C++ compiler (CXX, else g++); a slim image lacks
+        # one, and Inductor's own error came as a traceback at the first batch.
+        compiler = os.environ.get("CXX") or "g++"
+        if not shutil.which(compiler):
+            sys.exit(f"predict.py: this model runs compiled by torch.compile, which needs a C++ "
+                     f"compiler, and {compiler} is not on PATH: install g++, or name one in CXX")
 
         # A CPU build of torch on a machine without CUDA says so at the first compile.
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)

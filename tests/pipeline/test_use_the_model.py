@@ -347,6 +347,14 @@ def test_other_runtimes_export_and_predict_the_same_top_1(tiny_run, tmp_path, na
         helped = subprocess.run([sys.executable, str(out / "predict.py"), "--help"],
                                 capture_output=True, text=True, timeout=60)
         assert "loading it can run code" in " ".join(helped.stdout.split()), helped.stdout
+    if name == "torch-static":  # compiled: without a C++ compiler, one line, not a traceback
+        bare = subprocess.run([sys.executable, str(out / "predict.py"), str(out)],
+                              capture_output=True, text=True, timeout=120,
+                              env={k: v for k, v in os.environ.items() if k != "CXX"}
+                              | {"PATH": str(tmp_path / "no-compilers")})
+        assert (bare.returncode, bare.stderr) == (1, (
+            "predict.py: this model runs compiled by torch.compile, which needs a C++ compiler, "
+            "and g++ is not on PATH: install g++, or name one in CXX\n"))
     paths, _ = _digit_files(tmp_path / "digits")
     # The code Inductor generates, on stderr: an int8 graph must compile to int8 kernels there
     # as in the report (without torchao's passes it compiled to float convolutions).
