@@ -219,6 +219,19 @@ def runtime(module: str, folder: Path):
         sys.exit(1)
 
 
+def cannot_load(module: str, file: str, exc: Exception, folder: Path) -> str:
+    """The line an exported predict.py ends with where its runtime cannot load the model file
+    (a runtime older than the model's format, most often): this version and the one that made
+    it, rather than the runtime's traceback."""
+    made = json.loads((folder / "manifest.json").read_text()).get("versions", {}).get(module)
+    # (the module's own: an install may lack its metadata; OpenVINO's carries a build suffix)
+    here = str(getattr(sys.modules.get(module), "__version__", "(version unknown)")).split("-")[0]
+    why = " ".join(str(exc).split())[:300] or type(exc).__name__
+    fix = (f"it was made with {module} {made}: pip install '{module}=={made}'" if made else
+           "export it again from a run made with this version")
+    return f"predict.py: {module} {here} cannot load {file} ({why}); {fix}"
+
+
 VNNI_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}  # as stages/measure/machine.py reads them
 
 

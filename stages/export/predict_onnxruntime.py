@@ -25,8 +25,11 @@ except ImportError as missing:
 if __name__ == "__main__":
     args = predict_loop.arguments(__doc__, HERE)  # before the model loads: --help, sha256
     onnxruntime = predict_loop.runtime("onnxruntime", HERE)
-    session = onnxruntime.InferenceSession(str(HERE / "model.onnx"),
-                                           providers=["CPUExecutionProvider"])
+    try:
+        session = onnxruntime.InferenceSession(str(HERE / "model.onnx"),
+                                               providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own kinds (an IR version it cannot read)
+        sys.exit(predict_loop.cannot_load("onnxruntime", "model.onnx", exc, HERE))
     name = session.get_inputs()[0].name
     sys.exit(predict_loop.main(args,
                                preprocess.read_spec(HERE / "preprocessing.json"),

@@ -31,8 +31,11 @@ if __name__ == "__main__":
     core = openvino.Core()
     # As the report timed it: f32 unless the variant is openvino-bf16 (on CPUs with bf16
     # units OpenVINO would otherwise run float layers in bf16).
-    compiled = core.compile_model(core.read_model(str(HERE / "model.xml")), "CPU", {
-        "INFERENCE_PRECISION_HINT": serving.get("precision_hint", "f32")})
+    try:
+        compiled = core.compile_model(core.read_model(str(HERE / "model.xml")), "CPU", {
+            "INFERENCE_PRECISION_HINT": serving.get("precision_hint", "f32")})
+    except Exception as exc:  # OpenVINO raises RuntimeError for an IR it cannot read
+        sys.exit(predict_loop.cannot_load("openvino", "model.xml", exc, HERE))
     sys.exit(predict_loop.main(args,
                                preprocess.read_spec(HERE / "preprocessing.json"),
                                lambda batch: compiled(batch)[0]))

@@ -68,7 +68,10 @@ if __name__ == "__main__":
 
     if serving.get("int8_passes"):
         register_int8_passes()
-    model = torch.export.load(str(HERE / "model.pt2")).module()
+    try:
+        model = torch.export.load(str(HERE / "model.pt2")).module()
+    except Exception as exc:  # a torch that does not read this format's version
+        sys.exit(predict_loop.cannot_load("torch", "model.pt2", exc, HERE))
     if serving.get("channels_last"):  # the layout it trained and was timed in
         model = model.to(memory_format=torch.channels_last)
     if serving.get("compile"):

@@ -8,6 +8,7 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from click.testing import CliRunner
@@ -326,6 +327,22 @@ def test_an_exported_folder_runs_with_onnxruntime_numpy_and_pillow_alone(tiny_ru
     assert under_a_file.exit_code == 2
     assert (f"cannot create {tmp_path / 'afile' / 'sub' / 'out'}: {tmp_path / 'afile'} is a file, "
             "not a folder; give another OUT_DIR") in under_a_file.stderr
+    # A model its runtime cannot load (an IR version from a newer exporter): one line naming
+    # both versions, not onnxruntime's traceback.
+    model = onnx.load(out / "model.onnx")
+    model.ir_version = 99
+    onnx.save(model, out / "model.onnx")
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["files"]["model.onnx"] = {"sha256": sha256_file(out / "model.onnx"),
+                                       "bytes": (out / "model.onnx").stat().st_size}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    newer = subprocess.run([str(python), str(out / "predict.py"), str(paths[0])],
+                           capture_output=True, text=True, timeout=120)
+    made = manifest["versions"]["onnxruntime"]
+    assert newer.returncode == 1 and newer.stderr.count("\n") == 1, newer.stderr
+    assert newer.stderr.startswith(f"predict.py: onnxruntime {made} cannot load model.onnx (")
+    assert newer.stderr.endswith(f"it was made with onnxruntime {made}: pip install "
+                                 f"'onnxruntime=={made}'\n")
     (out / "predict_loop.py").unlink()
     gone = subprocess.run([str(python), str(out / "predict.py"), str(paths[0])],
                           capture_output=True, text=True, timeout=120)
