@@ -227,8 +227,8 @@ def cannot_load(module: str, file: str, exc: Exception, folder: Path) -> str:
     # (the module's own: an install may lack its metadata; OpenVINO's carries a build suffix)
     here = str(getattr(sys.modules.get(module), "__version__", "(version unknown)")).split("-")[0]
     why = " ".join(str(exc).split())[:300] or type(exc).__name__
-    fix = (f"it was made with {module} {made}: pip install '{module}=={made}'" if made else
-           "export it again from a run made with this version")
+    fix = (f"it was made with {module} {made}: pip install '{module}=={made.split('+')[0]}'"
+           if made else "export it again from a run made with this version")
     return f"predict.py: {module} {here} cannot load {file} ({why}); {fix}"
 
 
