@@ -28,8 +28,8 @@ from stages.data import preprocess
 from stages.data.datasets import preprocessing_of_run
 from stages.report.recommendation import cap_that_pays
 from stages.run.artifacts import Run, versions
-from stages.run.errors import UsageError
-from stages.run.files import sha256_file
+from stages.run.errors import PipelineError, UsageError
+from stages.run.files import fsync_folder, sha256_file
 from stages.run.progress import say
 from stages.run.trained import float_source
 from stages.runtimes.openvino import precision_hint
@@ -42,19 +42,31 @@ CODE_WARNING = ("model.pt2 is torch.export's format, whose loader can run code f
                 "load it only from a source you trust, after checking manifest.json's sha256")
 
 
+def _copy_listed(name: str, source: Path, target: Path, record: dict | None) -> None:
+    """``source`` copied to ``target``, and the copy checked against the run manifest's
+    ``record`` of it: export takes no lock, and a quantize making the variant again meanwhile
+    could pair a new model.bin with the old model.xml, which the exported manifest would then
+    hash as one."""
+    shutil.copyfile(source, target)
+    if record is not None and sha256_file(target) != record["sha256"]:
+        raise PipelineError(f"{name}: {source} changed while it was exported (made again by "
+                            "another quantize?); export it again once that is done")
+
+
 def _copy_onnx(run: Run, name: str, folder: Path) -> None:
     from stages.runtimes.onnx_export import external_data_files
 
-    source = run.verified_path(name)
-    shutil.copyfile(source, folder / "model.onnx")
+    source, entry = run.verified_path(name), run.entry(name)
+    _copy_listed(name, source, folder / "model.onnx", entry)
+    listed = {Path(record["path"]).name: record for record in entry.get("files", [])}
     for data in external_data_files(source):  # keep the names the model refers to
-        shutil.copyfile(data, folder / data.name)
+        _copy_listed(name, data, folder / data.name, listed.get(data.name))
 
 
 def _copy_openvino(run: Run, name: str, folder: Path) -> None:
-    source = run.verified_path(name)
-    shutil.copyfile(source, folder / "model.xml")
-    shutil.copyfile(source.with_suffix(".bin"), folder / "model.bin")
+    source, entry = run.verified_path(name), run.entry(name)
+    _copy_listed(name, source, folder / "model.xml", entry)
+    _copy_listed(name, source.with_suffix(".bin"), folder / "model.bin", entry["files"][0])
 
 
 def _save_torch(run: Run, name: str, folder: Path) -> dict:
@@ -161,11 +173,14 @@ def run(config, run: Run) -> Path:
         shutil.copyfile(Path(__file__).with_name(TEMPLATES[runtime]), folder / "predict.py")
         manifest = _manifest(folder, name, run.name, serving)
         (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        fsync_folder(folder)
         if in_place:  # manifest.json last: predict.py refuses a folder without it
             for path in sorted(folder.iterdir(), key=lambda p: p.name == "manifest.json"):
                 os.replace(path, out_dir / path.name)
+            fsync_folder(out_dir, files=False)
         else:
             folder.rename(out_dir)
+            fsync_folder(out_dir.parent, files=False)
     say(f"export: {name} ({runtime}) -> {out_dir}: python {out_dir / 'predict.py'} IMAGE...",
         quiet=config.quiet)
     return out_dir

@@ -30,6 +30,18 @@ WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO,
 SPARE_BYTES = 16 << 20
 
 
+def fsync_folder(folder: Path, files: bool = True) -> None:
+    """``folder`` on disk, and with ``files`` every file in it: what is written as a whole
+    folder (an export) and then moved into place, so that a power cut after it was said to be
+    done leaves no empty files."""
+    if files:
+        for path in folder.iterdir():
+            if path.is_file() and not path.is_symlink():
+                with open(path, "rb") as file:
+                    os.fsync(file.fileno())
+    _fsync_dir(folder)
+
+
 def _fsync_dir(folder: Path) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)

@@ -254,6 +254,44 @@ def test_a_disk_that_fails_every_write_marks_the_stage_failed(tmp_path, monkeypa
     assert not [p for p in run.root.rglob("*.tmp")]
 
 
+def test_an_export_is_on_disk_before_it_is_said_to_be_done(cheap_run, tmp_path, monkeypatch):
+    """Each exported file and the folder that receives it fsynced: a power cut after "export:
+    PATH" had been able to leave empty files (predict.py would refuse them, but the export was
+    lost)."""
+    real_fsync, synced = os.fsync, []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+                        or real_fsync(fd))
+    result = CliRunner().invoke(cli, ["--artifacts-dir", str(cheap_run.artifacts_dir), "export",
+                                      "--variant", "ort-static", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.stderr
+    names = {Path(path).name for path in synced}
+    assert {p.name for p in (tmp_path / "out").iterdir()} <= names
+    assert str(tmp_path) in synced  # the folder it was renamed into
+
+
+def test_a_variant_made_again_while_it_is_exported_is_not_exported(cheap_run, tmp_path,
+                                                                   monkeypatch):
+    """Export takes no lock: a quantize writing the variant between export's check and its
+    copy had given a folder whose manifest hashed whatever was copied."""
+    from stages import export
+
+    real_copy = export.shutil.copyfile
+
+    def copy_of_a_newer_file(source, target):
+        real_copy(source, target)
+        if str(target).endswith("model.onnx"):
+            with open(target, "ab") as file:
+                file.write(b"made again")
+
+    monkeypatch.setattr(export.shutil, "copyfile", copy_of_a_newer_file)
+    result = CliRunner().invoke(cli, ["--artifacts-dir", str(cheap_run.artifacts_dir), "export",
+                                      "--variant", "ort-static", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    assert "changed while it was exported (made again by another quantize?); export it again" \
+        in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_disk_that_fills_at_the_stages_last_status_write_marks_it_failed(tmp_path,
                                                                           monkeypatch):
     """Everything the stage wrote is on disk, and the write that says `complete` fails: the
