@@ -121,6 +121,20 @@ def _manifest(folder: Path, name: str, run_name: str, serving: dict) -> dict:
                          if k in ("pipeline", "python", *requires)}}
 
 
+def _move_into_place(folder: Path, out_dir: Path, in_place: bool) -> None:
+    """The finished ``folder`` on disk, then at ``out_dir``: renamed there whole, or its files
+    moved into the empty folder given, manifest.json last (predict.py refuses a folder without
+    it)."""
+    fsync_folder(folder)
+    if in_place:
+        for path in sorted(folder.iterdir(), key=lambda p: p.name == "manifest.json"):
+            os.replace(path, out_dir / path.name)
+        fsync_folder(out_dir, files=False)
+    else:
+        folder.rename(out_dir)
+        fsync_folder(out_dir.parent, files=False)
+
+
 def run(config, run: Run) -> Path:
     """Write the folder for config.variant (a name or "recommended") at config.out_dir."""
     out_dir = Path(config.out_dir).expanduser()
@@ -173,14 +187,7 @@ def run(config, run: Run) -> Path:
         shutil.copyfile(Path(__file__).with_name(TEMPLATES[runtime]), folder / "predict.py")
         manifest = _manifest(folder, name, run.name, serving)
         (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        fsync_folder(folder)
-        if in_place:  # manifest.json last: predict.py refuses a folder without it
-            for path in sorted(folder.iterdir(), key=lambda p: p.name == "manifest.json"):
-                os.replace(path, out_dir / path.name)
-            fsync_folder(out_dir, files=False)
-        else:
-            folder.rename(out_dir)
-            fsync_folder(out_dir.parent, files=False)
+        _move_into_place(folder, out_dir, in_place)
     say(f"export: {name} ({runtime}) -> {out_dir}: python {out_dir / 'predict.py'} IMAGE...",
         quiet=config.quiet)
     return out_dir
