@@ -81,6 +81,29 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.get_closest_marker("longest") is None)
 
 
+def _made_once(tmp_path_factory, name: str, make):
+    """``make(folder)``'s result, made by the first xdist worker that asks and read from disk
+    by the others (pytest-xdist's recipe for a session fixture made once): each worker had
+    made tiny_run (a minute with a cold Inductor cache) and the templates for itself. The
+    folder is shared, so a test copies it before changing anything (as it always had to)."""
+    import fcntl
+    import pickle
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return make(tmp_path_factory.mktemp(name))
+    root = tmp_path_factory.getbasetemp().parent  # the session's, above each worker's
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other workers wait here while it is made
+        made = root / f"{name}.pickle"
+        if made.exists():
+            return pickle.loads(made.read_bytes())
+        shutil.rmtree(root / name, ignore_errors=True)  # a worker's failed try, if any
+        (root / name).mkdir()
+        result = make(root / name)
+        made.write_bytes(pickle.dumps(result))
+        return result
+
+
 def _copy(run, folder):
     from stages.run import artifacts
 
@@ -92,14 +115,18 @@ def _copy(run, folder):
 def tiny_run(tmp_path_factory):
     """A complete run folder of the tiny model with every variant quantize makes and a report.
     The amp model trains in bf16 whatever the CPU, so that mixed precision is what is tested."""
-    from stages import quantize, report, train
-    from stages.run import artifacts
+    def make(folder):
+        from stages import quantize, report, train
+        from stages.run import artifacts
 
-    run = artifacts.create_run(tmp_path_factory.mktemp("artifacts"), "tiny")
-    train_results = train.run(TrainConfig(**TINY_TRAIN | {"precision": "bf16"}), run)
-    quantize.run(QuantizeConfig(calibration_samples=128, quiet=True), run)
-    report_data = report.run(ReportConfig(**TINY_REPORT), run)
-    return {"run": run, "train": {r.variant: r for r in train_results}, "report": report_data}
+        run = artifacts.create_run(folder / "artifacts", "tiny")
+        train_results = train.run(TrainConfig(**TINY_TRAIN | {"precision": "bf16"}), run)
+        quantize.run(QuantizeConfig(calibration_samples=128, quiet=True), run)
+        report_data = report.run(ReportConfig(**TINY_REPORT), run)
+        return {"run": run, "train": {r.variant: r for r in train_results},
+                "report": report_data}
+
+    return _made_once(tmp_path_factory, "tiny", make)
 
 
 @pytest.fixture(scope="session")
@@ -131,11 +158,14 @@ def make_cheap_run(run) -> dict:
 
 @pytest.fixture(scope="session")
 def _cheap_template(tmp_path_factory):
-    from stages.run import artifacts
+    def make(folder):
+        from stages.run import artifacts
 
-    run = artifacts.create_run(tmp_path_factory.mktemp("template") / "artifacts", "cheap")
-    make_cheap_run(run)
-    return run
+        run = artifacts.create_run(folder / "artifacts", "cheap")
+        make_cheap_run(run)
+        return run
+
+    return _made_once(tmp_path_factory, "cheap", make)
 
 
 @pytest.fixture
@@ -147,13 +177,17 @@ def cheap_run(_cheap_template, tmp_path):
 
 @pytest.fixture(scope="session")
 def _fresh_template(tmp_path_factory):
-    from stages import quantize, train
-    from stages.run import artifacts
+    def make(folder):
+        from stages import quantize, train
+        from stages.run import artifacts
 
-    run = artifacts.create_run(tmp_path_factory.mktemp("template") / "artifacts", "fresh")
-    train.run(TrainConfig(**TINY_TRAIN | {"precision": "fp32"}), run)
-    quantize.run(QuantizeConfig(methods="torch-static", calibration_samples=64, quiet=True), run)
-    return run
+        run = artifacts.create_run(folder / "artifacts", "fresh")
+        train.run(TrainConfig(**TINY_TRAIN | {"precision": "fp32"}), run)
+        quantize.run(QuantizeConfig(methods="torch-static", calibration_samples=64,
+                                    quiet=True), run)
+        return run
+
+    return _made_once(tmp_path_factory, "fresh", make)
 
 
 @pytest.fixture
