@@ -14,6 +14,7 @@ model, so those pairs are left alone and counted.
 """
 from __future__ import annotations
 
+import collections
 import copy
 
 # Activations with f(x / s) = f(x) / s for every s > 0.
@@ -22,6 +23,9 @@ SCALE_FREE_FUNCTIONS = ("relu", "leaky_relu")
 OTHER_ACTIVATIONS = ("ReLU6", "Hardtanh", "Hardswish", "SiLU", "GELU", "Sigmoid", "Tanh",
                      "relu6", "hardtanh", "hardswish", "silu", "gelu")
 SWEEPS = 20  # a chain of three or more needs several sweeps; each stops early once converged
+# Folding and scaling change logits by rounding alone (under 1e-4 of the largest on resnet18);
+# a change past this share of the largest logit means the graph was misread: not applied.
+MAX_RELATIVE_LOGIT_CHANGE = 1e-3
 
 
 def equalize(model, check_images=None) -> tuple[object, dict]:
@@ -39,9 +43,13 @@ def equalize(model, check_images=None) -> tuple[object, dict]:
         return equalized, {"applied": False, "why": f"the model cannot be traced by torch.fx "
                                                     f"({type(exc).__name__})"}
     modules = dict(equalized.named_modules())
-    folded = _fold_batchnorms(equalized, graph, modules)
+    # A module called in two places (one BatchNorm after two convolutions) cannot be folded or
+    # scaled for one of them without changing the other.
+    shared = {name for name, count in collections.Counter(
+        node.target for node in graph.nodes if node.op == "call_module").items() if count > 1}
+    folded = _fold_batchnorms(equalized, graph, modules, shared)
     modules = dict(equalized.named_modules())
-    pairs, skipped = _pairs(graph, modules)
+    pairs, skipped = _pairs(graph, modules, shared)
     largest = 0.0
     with torch.no_grad():
         for _ in range(SWEEPS):
@@ -60,7 +68,13 @@ def equalize(model, check_images=None) -> tuple[object, dict]:
     if check_images is not None:
         with torch.no_grad():
             before, after = model.eval()(check_images), equalized(check_images)
-        record["max_abs_logit_change"] = float((before - after).abs().max())
+        record["max_abs_logit_change"] = change = float((before - after).abs().max())
+        if not change <= MAX_RELATIVE_LOGIT_CHANGE * float(before.abs().max()):
+            return copy.deepcopy(model).eval(), {
+                "applied": False, "max_abs_logit_change": change,
+                "why": f"not applied: it changed the float model's logits by up to {change:.3g}"
+                       f" (at most {MAX_RELATIVE_LOGIT_CHANGE:g} of the largest, "
+                       f"{float(before.abs().max()):.3g}, is rounding)"}
     return equalized, record
 
 
@@ -76,9 +90,10 @@ def _module_kind(node, modules) -> str:
     return node.op
 
 
-def _fold_batchnorms(model, graph, modules) -> int:
+def _fold_batchnorms(model, graph, modules, shared: set[str]) -> int:
     """Fold each BatchNorm2d that alone reads a Conv2d's output into that convolution, and
-    put an Identity in its place."""
+    put an Identity in its place; not one without running statistics (it normalizes by each
+    batch's), nor one or a convolution called in more than one place (``shared``)."""
     import torch
     from torch.nn.utils.fusion import fuse_conv_bn_eval
 
@@ -88,7 +103,9 @@ def _fold_batchnorms(model, graph, modules) -> int:
             continue
         source = node.args[0]
         if (getattr(source, "op", "") != "call_module" or len(source.users) != 1
-                or not isinstance(modules[source.target], torch.nn.Conv2d)):
+                or not isinstance(modules[source.target], torch.nn.Conv2d)
+                or modules[node.target].running_mean is None
+                or {source.target, node.target} & shared):
             continue
         fused = fuse_conv_bn_eval(modules[source.target], modules[node.target])
         model.set_submodule(source.target, fused)
@@ -98,9 +115,10 @@ def _fold_batchnorms(model, graph, modules) -> int:
     return folded
 
 
-def _pairs(graph, modules) -> tuple[list[tuple[str, str]], int]:
+def _pairs(graph, modules, shared: set[str]) -> tuple[list[tuple[str, str]], int]:
     """(first, second) convolution names where the first feeds only the second, through
-    nothing but scale-free steps; and how many such pairs a non-scale-free activation joins."""
+    nothing but scale-free steps; and how many such pairs a non-scale-free activation joins.
+    Not where either convolution is called in more than one place (``shared``)."""
     import torch
 
     pairs, skipped = [], 0
@@ -124,7 +142,8 @@ def _pairs(graph, modules) -> tuple[list[tuple[str, str]], int]:
             step = step.args[0]
         first = modules.get(_name(step)) if step is not None else None
         if (not isinstance(first, torch.nn.Conv2d) or len(step.users) != 1
-                or first.out_channels != second.in_channels):
+                or first.out_channels != second.in_channels
+                or {step.target, node.target} & shared):
             continue
         if blocked:
             skipped += 1

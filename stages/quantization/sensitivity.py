@@ -83,7 +83,8 @@ def layer_errors(model, batches, scheme: Scheme) -> dict[str, float]:
             else:
                 y_q = torch.nn.functional.linear(x_q, w_q, module.bias)
             y = output.detach()
-            dims = [d for d in range(y.dim()) if d != 1]  # all but the channels
+            channels = 1 if isinstance(module, torch.nn.Conv2d) else y.dim() - 1  # (B, T, C)
+            dims = [d for d in range(y.dim()) if d != channels]
             errors[name][0] = errors[name][0] + ((y_q - y) ** 2).sum(dim=dims)
             errors[name][1] = errors[name][1] + (y ** 2).sum(dim=dims)
         return hook

@@ -12,6 +12,9 @@ returns when its work is done, so its rows are timed on the host's clock.
 """
 from __future__ import annotations
 
+import contextlib
+import io
+
 from stages.runtimes import Loaded
 from stages.runtimes.onnx_export import INPUT_NAME, OUTPUT_NAME
 
@@ -74,7 +77,10 @@ def _ort_row(run, row: str, name: str, scratch) -> Loaded | None:
     path = run.verified_path(name)
     if row == "onnx-fp16@cuda":
         path = _float16_copy(path, scratch)
-    session = ort.InferenceSession(str(path), providers=["CUDAExecutionProvider"])
+    with contextlib.redirect_stdout(io.StringIO()):  # its fallback's banner is print()ed
+        session = ort.InferenceSession(str(path), providers=["CUDAExecutionProvider"])
+    if session.get_providers()[0] != "CUDAExecutionProvider":
+        return None  # CUDA's provider could not start (no cuDNN): ORT fell back to the CPU
 
     def call_for(batch):
         binding = session.io_binding()

@@ -19,7 +19,7 @@ from stages.measure.evaluate import compare_logits, predict, scoring_batch_size
 from stages.measure.machine import cpu_has_vnni
 from stages.quantization import sensitivity, tuning
 from stages.quantization.sensitivity import Scheme
-from stages.run.errors import PipelineError
+from stages.run.errors import NotMade, PipelineError
 from stages.run.files import atomic_path, converter_errors
 from stages.runtimes import FLOAT, Loaded, loader, onnx_export, profilers, variant
 from stages.runtimes.onnx_export import INPUT_NAME, OUTPUT_NAME
@@ -61,9 +61,9 @@ def ort_session(path: Path, threads: int, disabled_optimizers: tuple[str, ...] =
     try:
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"],
                                     disabled_optimizers=list(disabled_optimizers))
-    except Exception as exc:
-        raise PipelineError(f"ONNX Runtime cannot load {path}: "
-                            f"{str(exc).strip().splitlines()[0][:300]}") from exc
+    except Exception as exc:  # NotMade: while quantize makes a variant, it costs that one
+        raise NotMade(f"ONNX Runtime cannot load {path}: "
+                      f"{str(exc).strip().splitlines()[0][:300]}") from exc
 
 
 def ort_predict(session, images, batch_size: int | None = None):
@@ -76,7 +76,8 @@ def ort_predict(session, images, batch_size: int | None = None):
     outputs = []
     for start in range(0, len(images), batch_size):
         batch = images[start:start + batch_size].numpy().astype(np.float32, copy=False)
-        outputs.append(torch.from_numpy(session.run([OUTPUT_NAME], {INPUT_NAME: batch})[0]))
+        with converter_errors("ONNX Runtime"):  # a kernel it lacks costs the variant
+            outputs.append(torch.from_numpy(session.run([OUTPUT_NAME], {INPUT_NAME: batch})[0]))
     return torch.cat(outputs) if outputs else torch.empty(0)
 
 

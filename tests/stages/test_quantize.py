@@ -462,6 +462,39 @@ def test_a_converter_that_cannot_take_the_model_costs_its_variants_not_the_stage
     assert not {"onnx-fp32", "ort-static"} & set(fresh_tiny_run.artifacts())
 
 
+def test_onnx_runtime_refusing_a_model_costs_its_variants_not_the_stage(fresh_tiny_run,
+                                                                         monkeypatch):
+    """ONNX Runtime's own error when it loads or runs a model it was given (an operator or a
+    graph it cannot take) was raised as the stage's: quantize stopped there, and torch-static,
+    whose compile check is deferred to the end, was never made."""
+    import onnxruntime
+
+    def cannot_load(*_, **__):
+        raise RuntimeError("[ONNXRuntimeError] : 10 : INVALID_GRAPH : a test's refusal")
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", cannot_load)
+    made = quantize.run(QuantizeConfig(methods="torch-static,onnx-fp32", calibration_samples=64,
+                                       quiet=True), fresh_tiny_run)
+    assert made == ["torch-static", "onnx-fp32"] and "torch-static" in fresh_tiny_run.artifacts()
+    why = fresh_tiny_run.recorded_config("quantize")["not_kept"]["onnx-fp32"]
+    assert why.startswith("not made: ONNX Runtime cannot load ") and "INVALID_GRAPH" in why
+
+    class CannotRun:
+        def __init__(self, *_, **__):
+            pass
+
+        def run(self, *_):
+            raise RuntimeError("[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : a test's kernel")
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", CannotRun)
+    quantize.run(QuantizeConfig(methods="onnx-fp32", calibration_samples=64, quiet=True),
+                 fresh_tiny_run)
+    assert fresh_tiny_run.recorded_config("quantize")["not_kept"]["onnx-fp32"] == (
+        "not made: ONNX Runtime failed: [ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : a test's "
+        "kernel")
+    assert "onnx-fp32" not in fresh_tiny_run.artifacts()
+
+
 def test_a_converters_own_error_costs_its_variant_and_what_was_made_from_it_before(
         fresh_tiny_run, monkeypatch):
     """ONNX Runtime's shape inference raising its own error had failed the stage; and an

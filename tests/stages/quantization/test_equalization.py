@@ -82,3 +82,58 @@ def test_what_cannot_be_equalized_is_left_as_it_was_and_says_why(model, why):
     assert not record["applied"] and record["why"].startswith(why)
     with torch.no_grad():
         assert torch.equal(equalized(images), model(images))
+
+
+class _SharedNorm(nn.Module):
+    """One BatchNorm read after two convolutions: folding it into one would change the other."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 4, 1), nn.Conv2d(4, 4, 1)
+        self.norm = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.norm(self.conv2(torch.relu(self.norm(self.conv1(x)))))
+
+
+def _with_statistics(model: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    for bn in (m for m in model.modules() if isinstance(m, nn.BatchNorm2d)):
+        if bn.running_mean is not None:
+            bn.running_mean.uniform_(-1, 1)
+            bn.running_var.uniform_(0.5, 2)
+    return model.eval()
+
+
+@pytest.mark.parametrize("model", [
+    _SharedNorm(),
+    nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, track_running_stats=False), nn.ReLU(),
+                  nn.Conv2d(4, 4, 1)),
+], ids=["a BatchNorm called twice", "a BatchNorm without running statistics"])
+def test_a_batchnorm_that_cannot_be_folded_is_left_and_the_float_model_kept(model):
+    """A shared BatchNorm was folded into one convolution and made an Identity for both;
+    one without running statistics failed the stage in torch's fusion (an AssertionError)."""
+    model, images = _with_statistics(model), torch.randn(4, 3, 5, 5)
+    equalized, record = equalize(model, check_images=images)
+    assert record["batchnorms_folded"] == 0
+    with torch.no_grad():
+        expected = model(images)
+        assert torch.allclose(equalized(images), expected, atol=1e-4 * expected.abs().max())
+
+
+def test_a_transform_that_changed_the_logits_is_not_applied(monkeypatch):
+    """What the graph analysis misreads shows in the logits: past rounding, the model is
+    left as it was and the record says by how much it would have changed."""
+    from stages.quantization import equalization
+
+    def misfolds(first, second):
+        first.weight.mul_(3)
+        return 0.0
+
+    monkeypatch.setattr(equalization, "_equalize_pair", misfolds)
+    model, images = _chain(), torch.randn(8, 3, 6, 6)
+    equalized, record = equalize(model, check_images=images)
+    assert not record["applied"] and record["why"].startswith(
+        "not applied: it changed the float model's logits by up to ")
+    with torch.no_grad():
+        assert torch.equal(equalized(images), model(images))

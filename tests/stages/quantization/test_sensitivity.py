@@ -54,3 +54,18 @@ def test_errors_carry_to_a_backends_names_only_where_the_layers_line_up():
     assert carried == pytest.approx(dict(zip(names, errors.values())))
     assert sensitivity.by_position(net, errors, names[:3], sizes[:3]) is None  # one missing
     assert sensitivity.by_position(net, errors, names, sizes[::-1]) is None  # out of order
+
+
+def test_a_linear_layer_on_tokens_is_measured_per_output_channel_not_per_token():
+    """A Linear on (batch, tokens, features), as in a mixer or a transformer, was averaged
+    over tokens: one large output channel then hid the others' rounding. Its error must be
+    the same as on the same rows flattened to (batch x tokens, features)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 3)
+    with torch.no_grad():
+        linear.weight[0] *= 200
+    tokens = torch.randn(8, 5, 4)
+    on_tokens = sensitivity.layer_errors(linear, [tokens], Scheme(per_channel=False))[""]
+    on_rows = sensitivity.layer_errors(linear, [tokens.reshape(-1, 4)],
+                                       Scheme(per_channel=False))[""]
+    assert on_tokens == pytest.approx(on_rows, rel=1e-5)

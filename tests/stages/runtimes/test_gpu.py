@@ -27,3 +27,24 @@ def test_the_float16_copy_keeps_float32_inputs_and_the_models_predictions(tiny_r
     half = ort_predict(ort_session(copy, 1), images)
     assert (full.argmax(1) == half.argmax(1)).float().mean() >= 0.95
     assert (full - half).abs().max() < 0.05 * full.abs().max()
+
+
+def test_an_onnx_row_whose_cuda_provider_fell_back_to_the_cpu_is_not_measured(tiny_run,
+                                                                              monkeypatch,
+                                                                              tmp_path, capsys):
+    """ONNX Runtime falls back to its CPU provider when CUDA's cannot start (cuDNN missing),
+    saying so on stdout: the row was timed on the CPU under the name of a GPU row."""
+    import onnxruntime
+
+    class FellBack:
+        def __init__(self, *_, **__):
+            print("EP Error ... Falling back to ['CPUExecutionProvider'] and retrying.")
+
+        def get_providers(self):
+            return ["CPUExecutionProvider"]
+
+    monkeypatch.setattr(onnxruntime, "get_available_providers",
+                        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(onnxruntime, "InferenceSession", FellBack)
+    assert gpu.load(tiny_run["run"], "onnx-fp32@cuda", tmp_path) is None
+    assert capsys.readouterr().out == ""  # stdout holds the paths a stage wrote
