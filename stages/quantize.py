@@ -102,6 +102,7 @@ def run_as_deployed(config, target: Run, qat_config=None) -> list[str]:
     from stages.run import isolated
 
     asked, crashed = copy.copy(config), {}
+    first_plan = plan(target, config.methods)  # a source a crashed child made is named too
     try:
         while True:
             try:
@@ -134,7 +135,8 @@ def run_as_deployed(config, target: Run, qat_config=None) -> list[str]:
         recorded = target.recorded_config("quantize")
         target.record_config("quantize", recorded | {
             "not_kept": recorded.get("not_kept", {}) | crashed})
-    made += [name for name in crashed if name not in made]
+    made = list(dict.fromkeys([*(n for n in first_plan if n in made or n in crashed
+                                 or n in target.artifacts()), *made, *crashed]))
     if config.auto and qat_config is not None:
         made += escalate_to_qat(target, made, config.max_accuracy_drop, qat_config,
                                 quiet=config.quiet)

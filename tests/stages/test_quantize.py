@@ -651,6 +651,23 @@ def test_a_runtime_that_crashes_while_its_variant_is_made_costs_that_variant(fre
     assert not list((run.root / "quantize").glob(".*"))
 
 
+def test_a_source_made_before_a_crash_is_named_with_the_paths_quantize_wrote(fresh_tiny_run,
+                                                                             monkeypatch):
+    """onnx-fp32, made as openvino-fp32's source by the child that then crashed, is listed;
+    the plan made again after the crash no longer needs it, and its path went unsaid."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    run = fresh_tiny_run
+    monkeypatch.setattr(quantize, "CHILD", "tests.stages.crashing_child:quantize_crashing")
+    result = CliRunner().invoke(cli, ["--artifacts-dir", str(run.artifacts_dir), "--run",
+                                      run.name, "quantize", "--methods", "openvino-fp32"])
+    assert result.exit_code == 0, result.output
+    assert "onnx-fp32" in run.artifacts() and "openvino-fp32" not in run.artifacts()
+    assert f"onnx-fp32: {run.root / run.entry('onnx-fp32')['path']}" in result.stdout
+
+
 @pytest.mark.slow
 def test_a_quantize_that_fails_leaves_the_variants_an_earlier_one_made_whole(fresh_tiny_run,
                                                                             monkeypatch):
