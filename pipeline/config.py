@@ -39,9 +39,12 @@ EQUALIZED_METHODS = ("torch-static", "ort-static")
 
 
 def _check_data_flags(config) -> None:
-    """The flags train and import share: the data, its split and size, and the model's name."""
+    """The flags train and import share: the data, its split and size, and the model's name;
+    --data-dir made absolute."""
     choice("--dataset", config.dataset, DATASET_NAMES)
-    expanded("--data-dir", config.data_dir)
+    # Saved with the run and read again by quantize, report and export, which may run in
+    # another folder: relative, it named another place (or nothing) there.
+    config.data_dir = str(expanded("--data-dir", config.data_dir).absolute())
     if not 0.0 < config.val_fraction < 1.0:
         raise ValueError(f"--val-fraction must be between 0 and 1, got {config.val_fraction}")
     if config.in_channels is not None:

@@ -71,6 +71,12 @@ class DataSplits:
         return identity
 
 
+# The test split's share where a data set has none of its own (the digits, one image folder):
+# fixed, and drawn with a fixed seed, so runs that differ in --seed or --val-fraction are scored
+# on the same images.
+TEST_FRACTION = 0.2
+
+
 def stratified_split(labels, fraction: float, seed: int):
     """Indices (kept, held_out), sorted, with ``fraction`` of every class held out at random
     (fixed by ``seed``): ceil(fraction x all) in total, shared among the classes in proportion
@@ -125,7 +131,7 @@ def digits(image_size: int = 32, seed: int = 0, val_fraction: float = 0.1,
     raw_images, raw_labels = digits_arrays()
     images = torch.tensor(raw_images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(raw_labels, dtype=torch.long)
-    rest, test = stratified_split(raw_labels, 0.2, seed=0)
+    rest, test = stratified_split(raw_labels, TEST_FRACTION, seed=0)
     train, val = stratified_split(raw_labels[rest], val_fraction, seed=seed)
     train, val = rest[train], rest[val]
 
@@ -179,8 +185,14 @@ def split_folders(root: Path) -> dict[str, Path]:
     for split, names in SPLIT_NAMES.items():
         present = [by_name[name] for name in names if name in by_name]
         found |= {split: present} if present else {}
-    if "train" not in found or len(found) == 1 or not visible_folders(found["train"][0]):
+    if "train" not in found or len(found) == 1:
         return {}
+    if not visible_folders(found["train"][0]):
+        if len(by_name) == sum(len(paths) for paths in found.values()):  # split folders alone
+            raise PipelineError(f"--dataset imagefolder: {found['train'][0]} holds no class "
+                                "subfolders; put each class's images in a subfolder of its own "
+                                "in every split folder (train/cat/1.jpg, test/cat/2.jpg)")
+        return {}  # classes, one of them called train
     twice = next((paths for paths in found.values() if len(paths) > 1), None)
     if twice:
         raise PipelineError(f"--dataset imagefolder: {root} has both {twice[0].name}/ and "

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.data.datasets import DataSplits, register_dataset, split_folders, stratified_split
+from stages.data.datasets import (
+    TEST_FRACTION,
+    DataSplits,
+    register_dataset,
+    split_folders,
+    stratified_split,
+)
 from stages.run.errors import PipelineError
 
 # Per-channel mean and std of each training set, as published with it.
@@ -150,7 +156,11 @@ class _DecodedImages:
     def __call__(self, path: str):
         image = self.kept.get(path)
         if image is None:
-            image = self._decode(path)
+            try:
+                image = self._decode(path)
+            except Exception as exc:  # changed on disk since it was read: name the file
+                raise PipelineError(f"--dataset imagefolder: {path} cannot be read: "
+                                    f"{exc}") from exc
             footprint = self.size * self.size * 3
             if self.bytes + footprint <= self.budget:
                 self.kept[path] = image
@@ -193,6 +203,9 @@ def _check_classes(found, path: Path, least: int, held_out=()) -> None:
         if other.classes != found.classes:
             raise PipelineError(f"--dataset imagefolder: {path} and {other_path} have different "
                                 "class subfolders")
+        if not other.samples:  # every file skipped as unreadable: nothing to score or choose on
+            raise PipelineError(f"--dataset imagefolder: {other_path} has no readable image "
+                                "left; put readable images in it")
     if len(found.classes) < 2:
         raise PipelineError(f"--dataset imagefolder: {path} has one class subfolder "
                             f"({found.classes[0]}); a classifier needs two or more")
@@ -233,7 +246,8 @@ def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
                 skip_bad_images: bool = False, **_: object) -> DataSplits:
     """A folder of class subfolders: its train/, val/ and test/ where it has them (train/ with
     one of the others: that one is the test split, and validation is drawn from train/),
-    otherwise one folder split into train, val and test, each class in proportion."""
+    otherwise one folder split into test (TEST_FRACTION, fixed), then val (val_fraction of the
+    rest) and train, each class in proportion."""
     import torch
 
     from stages.data.image_folder import VisibleImageFolder
@@ -275,7 +289,7 @@ def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
     else:
         augmented, plain = folder(root, True, True), folder(root, False, False)
         _check_classes(augmented, root, least=3)  # split twice: test, then validation
-        rest, test_idx = stratified_split(augmented.targets, val_fraction, seed=0)
+        rest, test_idx = stratified_split(augmented.targets, TEST_FRACTION, seed=0)
         rest_targets = [augmented.targets[i] for i in rest]
         train_part, val_part = stratified_split(rest_targets, val_fraction, seed)
         train_idx = rest[train_part]
