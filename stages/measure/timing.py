@@ -216,11 +216,23 @@ def _pooled_medians(timing: Timing, picks) -> "numpy.ndarray":
 
 
 def speedup(reference: Timing, candidate: Timing, resamples: int = 2000,
-            seed: int = 0) -> dict:
+            seed: int = 0, paired: bool = True) -> dict:
     """How many times faster ``candidate`` is than ``reference`` (ratio of medians), with a 95%
-    percentile-bootstrap interval over the rounds, both resampled with the same rounds."""
+    percentile-bootstrap interval over the rounds, both resampled with the same rounds. Not
+    ``paired`` (two sessions, apart in time): every round of each, each resampled alone."""
     import numpy as np
 
+    if not paired:
+        point = (statistics.median(s for r in reference.rounds for s in r)
+                 / statistics.median(s for r in candidate.rounds for s in r))
+        if min(len(reference.rounds), len(candidate.rounds)) < 2:
+            return {"ratio": point, "low": point, "high": point}
+        rng = np.random.default_rng(seed)
+        medians = [_pooled_medians(t, rng.integers(0, len(t.rounds),
+                                                   size=(resamples, len(t.rounds))))
+                   for t in (reference, candidate)]
+        low, high = np.percentile(medians[0] / medians[1], [2.5, 97.5])
+        return {"ratio": point, "low": float(min(low, point)), "high": float(max(high, point))}
     rounds = min(len(reference.rounds), len(candidate.rounds))
     ref, cand = Timing(reference.rounds[:rounds]), Timing(candidate.rounds[:rounds])
     point = (statistics.median(s for r in ref.rounds for s in r)

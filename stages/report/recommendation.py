@@ -62,10 +62,12 @@ def speedups(rows: list[dict], reference: str, budget_points: float) -> None:
 
 def cap_that_pays(row: dict, size: str) -> str | None:
     """The oneDNN cap (ONEDNN_MAX_CPU_ISA) under which ``row`` ran faster than with AMX at
-    batch ``size``, beyond noise (stages/report/worker.py: time_below_amx); else None."""
+    batch ``size``, beyond noise, in sessions the machine left alone (stages/report/worker.py:
+    time_below_amx): export writes it into the deployment. Else None."""
     below = row.get("below_amx") or {}
     faster = below.get("amx_speedup", {}).get(size)
-    return below["onednn_max_cpu_isa"] if faster and faster["high"] < 1.0 else None
+    clean = below.get("timing_clean", True)  # a report before it was recorded
+    return below["onednn_max_cpu_isa"] if faster and faster["high"] < 1.0 and clean else None
 
 
 def accuracy_drop(row: dict, split: str = "validation") -> float:

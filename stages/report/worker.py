@@ -84,7 +84,7 @@ def measure(run: Run, config, threads: int, scratch: Path) -> tuple[list[dict], 
                 quiet=config.quiet)
             continue
         if config.time_below_amx:
-            extras += time_below_amx(run, config, threads, rows)
+            extras += time_below_amx(run, config, threads, rows, measured["timing_conditions"])
         return rows, measured | {"crashed": crashed, "extras_crashed": extras}
 
 
@@ -102,12 +102,15 @@ def onednn_rows(rows: list[dict]) -> list[str]:
             and VARIANTS[row["variant"]].runtime in ONEDNN_RUNTIMES]
 
 
-def time_below_amx(run: Run, config, threads: int, rows: list[dict]) -> list[dict]:
+def time_below_amx(run: Run, config, threads: int, rows: list[dict],
+                   timed_with_amx: dict) -> list[dict]:
     """Each int8 or bf16 CPU variant that runs oneDNN, but the trained models served eager,
     gets `below_amx`: its latency at the verdict's batch size (the largest) with oneDNN capped
     at BELOW_AMX, timed in a child of its own in the same harness, and `amx_speedup`, how many
-    times faster it ran with AMX than without (below 1: AMX lost). Returns the crash of that
-    child, as report.json's `extras_crashed` lists it: the comparison is lost, not the report."""
+    times faster it ran with AMX than without (below 1: AMX lost), and `timing_clean`, whether
+    both sessions (``timed_with_amx``: the report's timing conditions) were. Returns the crash
+    of that child, as report.json's `extras_crashed` lists it: the comparison is lost, not the
+    report."""
     names = onednn_rows(rows)
     if not names or amx_unused():
         return []
@@ -116,8 +119,8 @@ def time_below_amx(run: Run, config, threads: int, rows: list[dict]) -> list[dic
     config = dataclasses.replace(config, batch_sizes=(max(config.batch_sizes),))
     try:
         below = isolated.deployment_environment() | {"ONEDNN_MAX_CPU_ISA": BELOW_AMX}
-        timings, isa = isolated.call("stages.report.worker:time_in_child", run, config,
-                                     threads, names, environment=below)
+        timings, isa, conditions = isolated.call("stages.report.worker:time_in_child", run,
+                                                 config, threads, names, environment=below)
     except isolated.Crashed as crash:
         say(f"report: timing below AMX stopped: {crash}", quiet=config.quiet)
         record = crash_record(crash) or {"name": "a variant", "signal": crash.signal_name,
@@ -132,22 +135,26 @@ def time_below_amx(run: Run, config, threads: int, rows: list[dict]) -> list[dic
             latency[size] = capped.summary()
             with_amx = timing.Timing([[ms / 1000 for ms in calls]
                                       for calls in row["latency_ms"][size]["rounds_ms"]])
-            faster[size] = timing.speedup(capped, with_amx)
+            faster[size] = timing.speedup(capped, with_amx, paired=False)  # two sessions
         row["below_amx"] = {"onednn_max_cpu_isa": isa["onednn_max_cpu_isa"],
-                            "latency_ms": latency, "amx_speedup": faster}
+                            "latency_ms": latency, "amx_speedup": faster,
+                            "timing_clean": conditions["clean"] and all(
+                                s["clean"] for s in timed_with_amx["sessions"]
+                                if s["device"] == "cpu" and str(s["batch_size"]) in timings)}
     return []
 
 
 def time_in_child(doing: isolated.Doing, run: Run, config, threads: int,
-                  names: list[str]) -> tuple[dict, dict]:
-    """In the capped child: the named variants timed together, as in measure_variants, and
-    the instruction set the child ran with."""
+                  names: list[str]) -> tuple[dict, dict, dict]:
+    """In the capped child: the named variants timed together, as in measure_variants, the
+    instruction set the child ran with, and what they were timed beside."""
     import torch
 
     torch.set_num_threads(threads)
     loaded = {name: load(run, name, threads) for name in names}
-    timings = time_variants(loaded, splits_of_run(run), config, threads, doing=doing)[0]
-    return timings, machine.isa()
+    timings, conditions = time_variants(loaded, splits_of_run(run), config, threads,
+                                        doing=doing)
+    return timings, machine.isa(), conditions
 
 
 def crash_record(crash: isolated.Crashed) -> dict | None:
