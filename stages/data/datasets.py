@@ -41,6 +41,9 @@ class DataSplits:
     in_channels: int
     image_size: int
     skipped_images: int = 0
+    # Those files, relative to --data-dir: a later stage drops them again without decoding
+    # every file to find them (an image folder of 100,000 photos takes minutes).
+    skipped_files: tuple[str, ...] = ()
     classes: tuple[str, ...] = ()  # the name of each class index, as the data set gives them
     # How one image becomes the model's input (stages/data/preprocess.py): the evaluation
     # transform as numbers, for pipeline.load, predict and export.
@@ -52,7 +55,8 @@ class DataSplits:
 
     def identity(self) -> dict:
         """Per split, how many images and a sha256 of which: an image folder's files by their
-        path in it, other sets' images by index. Recorded with the float model (data=)."""
+        path in it, other sets' images by index; and the files skipped as unreadable. Recorded
+        with the float model (data=)."""
         import hashlib
 
         def members(split) -> list[str]:
@@ -68,7 +72,7 @@ class DataSplits:
             found = members(getattr(self, name))
             identity[name] = {"images": len(found), "sha256": hashlib.sha256(  # a name that is
                 "\n".join(found).encode(errors="surrogateescape")).hexdigest()}  # not UTF-8 too
-        return identity
+        return identity | {"skipped_files": list(self.skipped_files)}
 
 
 # The test split's share where a data set has none of its own (the digits, one image folder):
@@ -226,15 +230,19 @@ def load_splits(config, trained_on: dict | None = None) -> DataSplits:
     trained model saved (stages/run/trained.py); refused where ``trained_on``, the identity
     recorded when the run trained (DataSplits.identity), differs: split again, a folder with a
     file more or less moves images between the test and training splits."""
+    skipped = (trained_on or {}).get("skipped_files")  # None: a run from before it was kept
     try:
         splits = load_dataset(config.dataset, image_size=config.image_size, seed=config.seed,
                               data_dir=config.data_dir, download=config.download,
                               val_fraction=config.val_fraction, in_channels=config.in_channels,
-                              skip_bad_images=config.skip_bad_images)
+                              skip_bad_images=config.skip_bad_images,
+                              known_unreadable=None if skipped is None else tuple(skipped))
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
-    if trained_on is not None and (now := splits.identity()) != trained_on:
-        changed = next(s for s in ("test", "val", "train") if now[s] != trained_on[s])
+    splits_of = ("test", "val", "train")
+    if trained_on is not None and any((now := splits.identity())[s] != trained_on[s]
+                                      for s in splits_of):
+        changed = next(s for s in splits_of if now[s] != trained_on[s])
         before, after = trained_on[changed]["images"], now[changed]["images"]
         raise PipelineError(
             f"the data in {config.data_dir} is not what this run was trained on: its {changed} "

@@ -187,6 +187,10 @@ class _DecodedImages:
         return bad
 
 
+def _relative(path: str, root: Path) -> str:
+    return Path(path).relative_to(root).as_posix()
+
+
 def _drop_images(folder_dataset, bad: set[str]) -> None:
     kept = [(p, t) for p, t in folder_dataset.samples if p not in bad]
     folder_dataset.samples = folder_dataset.imgs = kept
@@ -243,11 +247,14 @@ def _from_split_folders(found: dict, folder, val_fraction: float, seed: int):
 @register_dataset("imagefolder")
 def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
                 val_fraction: float = 0.1, in_channels: int | None = None,
-                skip_bad_images: bool = False, **_: object) -> DataSplits:
+                skip_bad_images: bool = False, known_unreadable: tuple[str, ...] | None = None,
+                **_: object) -> DataSplits:
     """A folder of class subfolders: its train/, val/ and test/ where it has them (train/ with
     one of the others: that one is the test split, and validation is drawn from train/),
     otherwise one folder split into test (TEST_FRACTION, fixed), then val (val_fraction of the
-    rest) and train, each class in proportion."""
+    rest) and train, each class in proportion. Every file is decoded to find those it cannot
+    read, unless ``known_unreadable`` names them (relative to ``data_dir``: what training
+    skipped, for a later stage)."""
     import torch
 
     from stages.data.image_folder import VisibleImageFolder
@@ -270,7 +277,9 @@ def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
             raise PipelineError(f"--dataset imagefolder: {path}: {exc}; each class needs a "
                                 "subfolder of images") from None
         if path not in scanned:  # each folder is opened twice; decode its files once
-            scanned[path] = decoded.unreadable([p for p, _ in found.samples])
+            files = [p for p, _ in found.samples]
+            scanned[path] = (decoded.unreadable(files) if known_unreadable is None else
+                             [p for p in files if _relative(p, root) in known_unreadable])
         bad = scanned[path]
         if bad and not skip_bad_images:
             shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
@@ -298,5 +307,7 @@ def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
                       subset(plain, sorted(train_idx)), num_classes=len(augmented.classes),
                       in_channels=in_channels or 3, image_size=image_size,
                       skipped_images=skipped, classes=tuple(augmented.classes),
+                      skipped_files=tuple(sorted(_relative(p, root) for bad in scanned.values()
+                                                 for p in bad)),
                       preprocessing=_pil_preprocessing("imagefolder"),
                       augmentation=augmentation_of("imagefolder", image_size))

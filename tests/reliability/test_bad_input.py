@@ -77,6 +77,25 @@ def test_corrupt_images_are_named_or_skipped_and_counted(tmp_path):
     assert len(splits.train) + len(splits.val) + len(splits.test) == 20
 
 
+def test_a_later_stage_drops_the_files_training_skipped_without_decoding_every_file(
+        tmp_path, monkeypatch):
+    """quantize and report split the folder again and had decoded every file of it to find
+    the unreadable ones (minutes for 100,000 photos); the run now names them."""
+    from stages.data import torchvision_sets
+    from stages.data.datasets import load_splits
+
+    config = cfg.TrainConfig(model="smallcnn", dataset="imagefolder", image_size=8,
+                             data_dir=str(_image_folder(tmp_path / "images")),
+                             skip_bad_images=True)
+    trained_on = load_splits(config).identity()
+    assert trained_on["skipped_files"] == ["c0/empty.png", "c1/text.png", "c1/truncated.png"]
+    decoded = []
+    monkeypatch.setattr(torchvision_sets._DecodedImages, "_decode",
+                        lambda self, path: decoded.append(path))
+    again = load_splits(config, trained_on)
+    assert decoded == [] and again.identity() == trained_on
+
+
 def test_skipped_images_are_counted_in_the_run(tmp_path):
     from stages.run import artifacts
 
