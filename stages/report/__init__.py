@@ -1,9 +1,10 @@
 """Measure every variant of a run the same way and write report.md, report.json and plots.
 
-Same images, same random latency inputs, same thread count for every runtime, all on the CPU,
-every variant timed in the same interleaved rounds, so that the numbers in one report can be
-compared with each other. The recommendation is chosen on held-out training images (the
-validation split and images calibration did not use); test accuracy is only reported.
+Same images, same random latency inputs, same thread count for every runtime, every variant
+of a device (the CPU, and a CUDA GPU where there is one) timed in the same interleaved rounds,
+so that the numbers in one report can be compared with each other. The recommendation is
+chosen on held-out training images (the validation split and images calibration did not use);
+test accuracy is only reported.
 Measuring is in measuring.py, which variant to recommend in recommendation.py, what is wrong
 with a result in diagnosis.py, what each variant is judged against in judging.py; this module
 assembles report.json from them and writes the report.
@@ -207,10 +208,11 @@ def summary_table(report: dict) -> str:
     for v in (v for v in (report["verdict"], report["verdict"].get("gpu"))
               if v and v["recommended"]):
         vs_float = v["per_batch_size"][str(v["batch_size"])]["speedup_vs_best_float"]
+        fastest_float = ("it is the fastest float, " if vs_float["best_float"] == v["recommended"]
+                         else f"{v['speedup_vs_best_float']:.2f}x the fastest float"
+                         + (" (within noise), " if within_noise(vs_float) else ", "))
         lines.append(f"recommended on the {v.get('device', 'cpu').upper()}: {v['recommended']} "
-                     f"({v['speedup']:.2f}x {v['reference']}'s speed, "
-                     f"{v['speedup_vs_best_float']:.2f}x the fastest float"
-                     + (" (within noise), " if within_noise(vs_float) else ", ")
+                     f"({v['speedup']:.2f}x {v['reference']}'s speed, {fastest_float}"
                      + (f"{v['speedup_vs_best_fp32']:.2f}x the fastest fp32, "
                         if v.get("speedup_vs_best_fp32") and v["speedup_vs_best_fp32"]
                         != v["speedup_vs_best_float"] else "") +
