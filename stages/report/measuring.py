@@ -81,7 +81,9 @@ def calibrations(run: Run) -> set[tuple[int, int]]:
                 "calibration_samples")}
 
 
-EXTRAS = ("reading the kernels it runs", "profiling")  # phases a row's figures stand without
+PEAK_MEMORY_PHASE = "measuring its peak GPU memory"
+EXTRAS = ("reading the kernels it runs", "profiling",  # phases a row's figures stand without
+          PEAK_MEMORY_PHASE)
 # An extras_crashed phase too: the child timing variants below AMX crashed (report/worker.py);
 # the comparison with AMX is lost, not any row.
 BELOW_AMX_PHASE = "timed below AMX"
@@ -122,7 +124,7 @@ def measure_variants(run: Run, config, threads: int, scratch: Path, skip=(), pla
                 and worst_accuracy_drop(r) <= config.max_accuracy_drop + 1e-9}
     timings, conditions = time_variants(loaded, splits, config, threads, doing=doing,
                                         floats_within=servable)
-    record_latencies(rows, timings, loaded, splits, config)
+    record_latencies(rows, timings, loaded, splits, config, doing, plain)
     record_kernels(rows, loaded, splits, config, doing, plain)
     speedups(rows, reference, config.max_accuracy_drop)
     for name in plain:
@@ -197,15 +199,20 @@ def compare_with_reference(rows: list[dict], logits: dict, reference: str) -> No
         row.pop("_hits"), row.pop("_judged")
 
 
-def record_latencies(rows: list[dict], timings: dict, loaded: dict, splits, config) -> None:
+def record_latencies(rows: list[dict], timings: dict, loaded: dict, splits, config,
+                     doing: Doing = Doing(), plain=()) -> None:
     """Each row's latency at every batch size (with every round's call times, from which the
-    speed-up intervals are drawn), and a GPU row's peak memory at the largest batch."""
+    speed-up intervals are drawn), and a GPU row's peak memory at the largest batch (not for
+    one in ``plain``: it crashed the process there before)."""
+    size = max(config.batch_sizes)
     for row in rows:
         row["latency_ms"] = {b: t[row["name"]].summary() | {"rounds_ms": [
             [s * 1000 for s in calls] for calls in t[row["name"]].rounds]}
             for b, t in timings.items()}
-        if row["device"] == "cuda" and loaded[row["name"]].timer == "cuda-events":
-            largest = timing.random_batch(splits.input_shape(max(config.batch_sizes)))
+        if (row["device"] == "cuda" and loaded[row["name"]].timer == "cuda-events"
+                and row["name"] not in plain):
+            doing(doing_text(row["name"], PEAK_MEMORY_PHASE, size))  # a crash costs this one
+            largest = timing.random_batch(splits.input_shape(size))
             row["peak_gpu_memory_bytes"] = gpu.peak_memory(loaded[row["name"]].call_for(largest))
 
 

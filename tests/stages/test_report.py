@@ -904,3 +904,27 @@ def test_a_variant_faster_below_amx_is_timed_there_and_said_with_both_figures(ti
     row["below_amx"]["amx_speedup"]["32"]["high"] = 1.02  # within noise: nothing to say
     assert recommendation.cap_that_pays(row, "32") is None and not diagnosis.amx_warnings(
         rows, "32")
+
+
+def test_a_gpu_rows_peak_memory_is_marked_as_its_own_and_left_out_once_it_crashed(monkeypatch):
+    """Measuring a GPU row's peak memory said nothing of which row ran: a native crash there
+    was blamed on the row timed last. It is an extra, as reading kernels is: a crash in it
+    costs the figure, and the measuring made again leaves it out."""
+    from types import SimpleNamespace
+
+    marks, peaks = [], []
+    monkeypatch.setattr(measuring.gpu, "peak_memory",
+                        lambda call: peaks.append(json.loads(marks[-1])) or 1024)
+    rows = [{"name": "amp@cuda", "device": "cuda"}, {"name": "fp32", "device": "cpu"}]
+    loaded = {"amp@cuda": SimpleNamespace(timer="cuda-events", call_for=lambda batch: None),
+              "fp32": SimpleNamespace(timer="wall")}
+    timings = {"32": {name: timing.Timing([[0.001]]) for name in loaded}}
+    splits, config = SimpleNamespace(input_shape=lambda n: (n, 1, 4, 4)), ReportConfig(
+        batch_sizes=(32,))
+    measuring.record_latencies(rows, timings, loaded, splits, config, marks.append)
+    assert peaks == [{"row": "amp@cuda", "phase": measuring.PEAK_MEMORY_PHASE, "batch_size": 32}]
+    assert rows[0]["peak_gpu_memory_bytes"] == 1024 and measuring.PEAK_MEMORY_PHASE in (
+        measuring.EXTRAS)
+    measuring.record_latencies(rows[:1], timings, loaded, splits, config, marks.append,
+                               plain=["amp@cuda"])
+    assert len(peaks) == 1
