@@ -232,11 +232,14 @@ def means_as_avg_pools(model) -> list[str]:
 
 
 def weight_sizes(model) -> list[int]:
-    """Elements of each Conv/MatMul op's weight (its second input), in layer_names' order."""
+    """Elements of each Conv/MatMul op's weight (its second input), in layer_names' order; 0
+    where that input's shape is not fixed (attention's product of two activations), as
+    onnxruntime.weight_sizes gives for a weight that is not a stored tensor."""
     import math
 
-    return [math.prod(op.input(1).get_partial_shape().to_shape())
-            for op in model.get_ordered_ops() if op.get_type_name() in COMPUTE_OPS]
+    shapes = [op.input(1).get_partial_shape() for op in model.get_ordered_ops()
+              if op.get_type_name() in COMPUTE_OPS]
+    return [0 if shape.is_dynamic else math.prod(shape.to_shape()) for shape in shapes]
 
 
 def save_ir(model, xml: Path, scratch: Path) -> Path:

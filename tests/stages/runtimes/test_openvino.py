@@ -160,3 +160,19 @@ def test_openvino_qat_bypasses_the_quantizers_of_hard_excitation_gates_alone(tmp
     assert quantized() == ["HardSigmoid", "Sigmoid"]
     after = ov_runtime.runner(ov_runtime.compile_model(model, 1))[0](x)
     assert 0 < (after - before).abs().max() <= 2 / 255 * x.abs().max()
+
+
+def test_a_matmul_of_two_activations_has_no_weight_size():
+    """Attention's Q x K^T has no fixed second input: to_shape() raised there and ended the
+    stage in openvino-int8's accuracy fallback (a ViT or Swin)."""
+    import openvino as ov
+    from openvino import opset15 as opset
+
+    from stages.runtimes import openvino
+
+    queries = opset.parameter([-1, 4, 8], ov.Type.f32)
+    keys = opset.parameter([-1, 8, 4], ov.Type.f32)
+    weights = opset.constant(torch.ones(4, 3).numpy())
+    scores = opset.matmul(opset.matmul(queries, keys, False, False), weights, False, False)
+    model = ov.Model([scores], [queries, keys])
+    assert openvino.weight_sizes(model) == [0, 12]
