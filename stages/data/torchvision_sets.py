@@ -244,6 +244,21 @@ def _from_split_folders(found: dict, folder, val_fraction: float, seed: int):
     return augmented, plain, train_idx, torch.utils.data.Subset(plain, sorted(val_idx)), test
 
 
+def _from_one_folder(root: Path, folder, val_fraction: float, seed: int):
+    """The same of one folder of class folders, split twice: the test split (TEST_FRACTION,
+    with a fixed seed), then validation from the rest."""
+    import torch
+
+    augmented, plain = folder(root, True, True), folder(root, False, False)
+    _check_classes(augmented, root, least=3)  # split twice: test, then validation
+    rest, test_idx = stratified_split(augmented.targets, TEST_FRACTION, seed=0)
+    rest_targets = [augmented.targets[i] for i in rest]
+    train_part, val_part = stratified_split(rest_targets, val_fraction, seed)
+    subset = torch.utils.data.Subset
+    return (augmented, plain, rest[train_part], subset(plain, sorted(rest[val_part])),
+            subset(plain, sorted(test_idx)))
+
+
 @register_dataset("imagefolder")
 def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
                 val_fraction: float = 0.1, in_channels: int | None = None,
@@ -292,17 +307,9 @@ def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
 
     subset = torch.utils.data.Subset
     found = split_folders(root)
-    if found:
-        augmented, plain, train_idx, val, test = _from_split_folders(found, folder, val_fraction,
-                                                                     seed)
-    else:
-        augmented, plain = folder(root, True, True), folder(root, False, False)
-        _check_classes(augmented, root, least=3)  # split twice: test, then validation
-        rest, test_idx = stratified_split(augmented.targets, TEST_FRACTION, seed=0)
-        rest_targets = [augmented.targets[i] for i in rest]
-        train_part, val_part = stratified_split(rest_targets, val_fraction, seed)
-        train_idx = rest[train_part]
-        val, test = subset(plain, sorted(rest[val_part])), subset(plain, sorted(test_idx))
+    augmented, plain, train_idx, val, test = (
+        _from_split_folders(found, folder, val_fraction, seed) if found
+        else _from_one_folder(root, folder, val_fraction, seed))
     return DataSplits(subset(augmented, sorted(train_idx)), val, test,
                       subset(plain, sorted(train_idx)), num_classes=len(augmented.classes),
                       in_channels=in_channels or 3, image_size=image_size,

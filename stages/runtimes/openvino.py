@@ -14,6 +14,7 @@ import contextlib
 import functools
 import io
 import logging
+import math
 import shutil
 from pathlib import Path
 
@@ -232,11 +233,7 @@ def means_as_avg_pools(model) -> list[str]:
 
 
 def weight_sizes(model) -> list[int]:
-    """Elements of each Conv/MatMul op's weight (its second input), in layer_names' order; 0
-    where that input's shape is not fixed (attention's product of two activations), as
-    onnxruntime.weight_sizes gives for a weight that is not a stored tensor."""
-    import math
-
+    """Elements of each Conv/MatMul's weight, in layer_names' order (0: not fixed, Q x K^T)."""
     shapes = [op.input(1).get_partial_shape() for op in model.get_ordered_ops()
               if op.get_type_name() in COMPUTE_OPS]
     return [0 if shape.is_dynamic else math.prod(shape.to_shape()) for shape in shapes]
