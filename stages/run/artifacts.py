@@ -19,7 +19,7 @@ from typing import Any
 from stages.run.errors import PipelineError, UsageError
 from stages.run.files import atomic_write_json, atomic_write_text, sha256_file
 
-RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")  # fullmatch: '$' lets a '\n' end it
 
 
 def versions() -> dict[str, str]:
@@ -261,7 +261,7 @@ def create_run(artifacts_dir: Path, name: str | None = None) -> Run:
     explicit = name is not None
     if name is None:
         name = timestamp_name()
-    if not RUN_NAME.match(name):
+    if not RUN_NAME.fullmatch(name):
         raise UsageError(f"run name {name!r} is not allowed; use letters, digits, '.', '_' and '-'")
     run = Run(artifacts_dir, name)
     try:
@@ -316,8 +316,12 @@ def open_run(artifacts_dir: Path, name: str | None = None) -> Run:
 
 
 def _looks_like_a_path(name: str) -> bool:
-    return "/" in name or os.sep in name or name in (".", "..") or (
-        Path(name) / "manifest.json").is_file()
+    if "/" in name or os.sep in name or name in (".", ".."):
+        return True
+    try:
+        return (Path(name) / "manifest.json").is_file()
+    except OSError:  # a name too long for a file name: a run name that does not exist
+        return False
 
 
 def run_at(folder: Path) -> Run:

@@ -38,6 +38,10 @@ def test_runs_latest_pointer_and_errors_that_name_the_runs(tmp_path):
         artifacts.create_run(tmp_path, "first")
     with pytest.raises(UsageError, match="not allowed"):
         artifacts.create_run(tmp_path, "../escape")
+    with pytest.raises(UsageError, match="not allowed"):  # '$' had let a newline end a name,
+        artifacts.create_run(tmp_path, "abc\n")  # and 'latest' then named no run
+    with pytest.raises(UsageError, match="does not exist"):  # not ENAMETOOLONG's OSError
+        artifacts.open_run(tmp_path, "a" * 300)
     manifest = json.loads(second.manifest_path.read_text())
     assert manifest["artifacts"] == {}
     assert manifest["versions"]["torch"] == importlib.metadata.version("torch")
