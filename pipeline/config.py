@@ -65,6 +65,7 @@ def _check_data_flags(config) -> None:
 # (docs/measurements.md's git history). Under --time the plan is what fits the budget at the
 # measured pace (stages/training/plans.py), up to EPOCHS_UNDER_TIME.
 DEFAULT_EPOCHS = 5
+MAX_LOADER_TIMEOUT = 86_400
 EPOCHS_UNDER_TIME = 200
 
 
@@ -114,6 +115,9 @@ class TrainConfig:
             raise ValueError(f"--init-weights {self.init_weights!r} is not a file")
         at_least("--workers", self.workers, 0)
         greater_than("--loader-timeout", self.loader_timeout, 0)
+        if self.loader_timeout > MAX_LOADER_TIMEOUT:  # past ~2.1e6 s (and inf) poll() overflows
+            raise ValueError(f"--loader-timeout must be at most {MAX_LOADER_TIMEOUT:,} seconds "
+                             f"(a day: a worker silent longer has hung), got {self.loader_timeout}")
         at_least("--checkpoint-every", self.checkpoint_every, 0)
         at_least("--keep-checkpoints", self.keep_checkpoints, 1)
         at_least("--max-skipped-steps", self.max_skipped_steps, 1)
@@ -217,8 +221,10 @@ class QuantizeConfig:
     calibration_batch_size: int = 32
     calibration_method: str | None = None  # None: each backend's fast default
     per_channel: bool | None = None  # None: per-channel for PyTorch, per-tensor for ORT
-    ort_types: str = "u8s8"
-    ort_format: str = "qdq"
+    # None: u8s8 and QDQ, or what --auto finds (a value given, even the default, is refused
+    # beside --auto rather than dropped).
+    ort_types: str | None = None
+    ort_format: str | None = None
     auto: bool = False
     max_accuracy_drop: float = 1.0
     tuning_time: float | None = None  # seconds each static backend's search may take
@@ -243,8 +249,10 @@ class QuantizeConfig:
         at_least("--calibration-batch-size", self.calibration_batch_size, 1)
         if self.calibration_method is not None:
             choice("--calibration-method", self.calibration_method, CALIBRATION_METHODS)
-        choice("--ort-types", self.ort_types, ORT_TYPES)
-        choice("--ort-format", self.ort_format, ORT_FORMATS)
+        if self.ort_types is not None:
+            choice("--ort-types", self.ort_types, ORT_TYPES)
+        if self.ort_format is not None:
+            choice("--ort-format", self.ort_format, ORT_FORMATS)
         at_least("--max-accuracy-drop", self.max_accuracy_drop, 0.0)
         if self.auto:
             no_choices_under_auto(self)

@@ -109,9 +109,10 @@ QUANTIZE = {
                                "--auto finds", choices=cfg.CALIBRATION_METHODS),
     "per_channel": Flag("ONNX Runtime static weight scales (torch-static's are per-channel).",
                         off="per-tensor", default="per-tensor, or what --auto finds"),
-    "ort_types": Flag("ORT activation/weight types (--auto chooses).", choices=cfg.ORT_TYPES),
+    "ort_types": Flag("ORT activation/weight types.", default="u8s8, or what --auto finds",
+                      choices=cfg.ORT_TYPES),
     "ort_format": Flag("ORT static graph format; QOperator only on request (not with --auto).",
-                       choices=cfg.ORT_FORMATS),
+                       default="qdq", choices=cfg.ORT_FORMATS),
     "equalize": Flag("Cross-layer equalization of the float model before torch-static and "
                      "ort-static (outputs unchanged; evens per-channel weight ranges).",
                      default="with per-tensor weights; --auto also tries it for torch-static"),

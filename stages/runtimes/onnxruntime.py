@@ -350,8 +350,9 @@ def make_static(ctx) -> dict:
                       for cal in ("minmax", "percentile") for pc in (False, True)]
         candidates.append(static_options("s8s8", False, "minmax"))
     else:  # per-tensor measured fastest with VNNI (docs/design.md)
-        candidates = [static_options(config.ort_types, bool(config.per_channel),
-                                     config.calibration_method or "minmax", config.ort_format)]
+        candidates = [static_options(config.ort_types or "u8s8", bool(config.per_channel),
+                                     config.calibration_method or "minmax",
+                                     config.ort_format or "qdq")]
     for options in candidates:  # equalized where weights share one scale per tensor
         options["equalize"] = ctx.equalizes(per_tensor_weights=not options["per_channel"])
     backend = _static_backend(ctx)

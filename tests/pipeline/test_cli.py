@@ -51,6 +51,8 @@ def invoke(*args):
      "ort-dynamic,openvino-int8 has neither; add one of them or drop --equalize"),
     (["quantize", "--auto", "--ort-format", "qoperator"],
      "--auto chooses ort-static's --ort-format itself; drop it or drop --auto"),
+    (["quantize", "--auto", "--ort-types", "u8s8"],  # the default's value, given: not dropped
+     "--auto chooses ort-static's --ort-types itself; drop it or drop --auto"),
     (["quantize", "--auto", "--per-channel", "--calibration-method", "entropy"],
      "--auto chooses ort-static's --calibration-method, --per-channel/--per-tensor itself; drop "
      "them or drop --auto"),
@@ -63,6 +65,8 @@ def invoke(*args):
                           "quantize report), not after report"),
     (["train", "--init-weights", "/nonexistent.pt"],
      "--init-weights '/nonexistent.pt' is not a file"),
+    (["train", "--workers", "2", "--loader-timeout", "inf"],  # had failed in poll() once trained
+     "--loader-timeout must be at most 86,400 seconds"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, needle):
     result = invoke("--artifacts-dir", str(tmp_path), *args)
