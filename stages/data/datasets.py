@@ -167,6 +167,7 @@ def digits(image_size: int = 32, seed: int = 0, val_fraction: float = 0.1,
 SHAPES = {"digits": (10, 1), "mnist": (10, 1), "fashion-mnist": (10, 1), "cifar10": (10, 3),
           "cifar100": (100, 3), "imagefolder": (10, 3)}
 IN_MEMORY_IMAGES = {"digits": 1797}
+TORCHVISION_SETS = ("mnist", "fashion-mnist", "cifar10", "cifar100")  # read from --data-dir
 
 
 # The names an image folder's split subfolders go by (Kaggle's and Roboflow's "valid" too).
@@ -215,7 +216,14 @@ def expected_shape(config) -> tuple[int, int, int]:
                                 "--data-dir at a folder of class subfolders (or with train/ "
                                 "and val/ inside)")
         root = split_folders(root).get("train", root)
-        classes = len(visible_folders(root)) or classes
+        classes = len(visible_folders(root))
+        if not classes:  # refused before a run exists for it, not after
+            raise PipelineError(f"--dataset imagefolder: {root} has no class subfolders; put "
+                                "each class's images in a subfolder of its own")
+    elif config.dataset in TORCHVISION_SETS:
+        from stages.data.torchvision_sets import check_present
+
+        check_present(config.dataset, config.data_dir, config.download)
     channels = config.in_channels or channels
     held = IN_MEMORY_IMAGES.get(config.dataset, 0) * channels * config.image_size ** 2 * 4
     return classes, channels, held

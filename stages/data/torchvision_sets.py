@@ -6,6 +6,7 @@ from pathlib import Path
 
 from stages.data.datasets import (
     TEST_FRACTION,
+    TORCHVISION_SETS,
     DataSplits,
     register_dataset,
     split_folders,
@@ -95,6 +96,16 @@ def _expected_files(name: str, root: Path) -> tuple[Path, list[str]]:
     return root / cls.base_folder, files
 
 
+def check_present(name: str, data_dir: str, download: bool) -> None:
+    """Refuse a torchvision set whose files are not in ``data_dir`` (and not to be
+    downloaded) before a run is made for it, with the message loading it would give."""
+    folder, files = _expected_files(name, Path(data_dir).expanduser())
+    if not download and not all((folder / file).is_file() for file in files):
+        raise PipelineError(f"--dataset {name}: no usable data in {folder} (expected "
+                            f"{', '.join(files)}); pass --download to fetch it where the "
+                            "network allows")
+
+
 def _torchvision_splits(name: str, image_size: int, seed: int, data_dir: Path, download: bool,
                         val_fraction: float, in_channels: int | None) -> DataSplits:
     import torch
@@ -128,7 +139,7 @@ def _torchvision_splits(name: str, image_size: int, seed: int, data_dir: Path, d
                       augmentation=augmentation_of(name, image_size))
 
 
-for _name in ("mnist", "fashion-mnist", "cifar10", "cifar100"):
+for _name in TORCHVISION_SETS:
     register_dataset(_name)(
         lambda name=_name, image_size=32, seed=0, data_dir="data", download=False,
         val_fraction=0.1, in_channels=None, **_: _torchvision_splits(

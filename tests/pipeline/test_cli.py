@@ -343,19 +343,28 @@ class _RunsCode:
      "file"),
     (["train", "--model", "smallcnn", "--init-weights", "{code}"],
      "{code} was refused: loading it would run code from the file (it names print"),
+    (["train", "--model", "smallcnn", "--dataset", "mnist", "--data-dir", "{empty}"],
+     "--dataset mnist: no usable data in {empty}/MNIST/raw (expected train-images-idx3-ubyte"),
+    (["import", "--model", "smallcnn", "--weights", "{code}", "--dataset", "cifar10",
+      "--data-dir", "{empty}"], "--dataset cifar10: no usable data in {empty}/cifar-10-batches-py"),
+    (["train", "--model", "smallcnn", "--dataset", "imagefolder", "--data-dir", "{empty}"],
+     "--dataset imagefolder: {empty} has no class subfolders"),
 ])
 def test_input_a_new_run_cannot_use_is_refused_before_the_run_exists(tmp_path, args, line):
     """No run folder is made and `latest` stays where it was, so the next stage does not land
     on a run whose first stage failed on its input."""
     import torch
 
-    code = tmp_path / "code.pt"
-    torch.save({"state_dict": _RunsCode()}, code)
+    code, empty = tmp_path / "code.pt", tmp_path / "empty"  # data missing: the run had been
+    torch.save({"state_dict": _RunsCode()}, code)  # made, and 'latest' moved, to fail in train
+    empty.mkdir()
     (tmp_path / "latest").write_text("before\n")
-    result = invoke("--artifacts-dir", str(tmp_path), *[a.format(code=code) for a in args])
+    result = invoke("--artifacts-dir", str(tmp_path),
+                    *[a.format(code=code, empty=empty) for a in args])
     assert result.exit_code == 1, result.output
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pipeline: error: " + line.format(code=code))
+    assert len(lines) == 1 and lines[0].startswith(
+        "pipeline: error: " + line.format(code=code, empty=empty))
     assert not (tmp_path / "runs").exists()
     assert (tmp_path / "latest").read_text() == "before\n"
 
