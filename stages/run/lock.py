@@ -20,9 +20,14 @@ def hold_run(run: Run, doing: str) -> Iterator[None]:
     Under torchrun rank 0 holds it for every rank."""
     import fcntl
 
+    leaving = links_out(run)
+    if leaving:  # a run folder copied in is data: a link in it must not take our writes out
+        raise PipelineError(f"run folder {run.root} holds a link that leads out of it "
+                            f"({', '.join(leaving)}); a stage would write where it points: "
+                            "replace it with a file or folder of its own")
     path = run.root / LOCK_NAME
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
         raise PipelineError(f"cannot write in run folder {run.root}: {exc.strerror}; check its "
                             "permissions or choose another --artifacts-dir") from None
@@ -41,3 +46,13 @@ def hold_run(run: Run, doing: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def links_out(run: Run) -> list[str]:
+    """The run folder's entries, and its stage folders' (train/amp, report/), that are links
+    leading out of it: the lock file is written in place, and a stage writes into its folder."""
+    root = run.root.resolve()
+    folders = [run.root, *(p for p in run.root.iterdir() if p.is_dir() and not p.is_symlink())]
+    return sorted(entry.relative_to(run.root).as_posix() for folder in folders
+                  for entry in folder.iterdir() if entry.is_symlink()
+                  and root not in entry.resolve().parents)
