@@ -246,6 +246,12 @@ def predict(ctx: click.Context, paths, **flags) -> Processor:
 
         predict_stage.run(config, run)
 
+    def check(_) -> None:  # before the stages before it in a chain, not minutes later
+        from stages.predict import files_to_predict
+
+        files_to_predict(config.paths)
+
+    process.check = check
     return "predict", process
 
 
@@ -265,6 +271,12 @@ def export(ctx: click.Context, **flags) -> Processor:
 
         click.echo(f"export: {export_stage.run(config, run)}")
 
+    def check(_) -> None:  # before the stages before it in a chain, not minutes later
+        from stages.export import check_out_dir
+
+        check_out_dir(Path(config.out_dir).expanduser())
+
+    process.check = check
     return "export", process
 
 

@@ -333,6 +333,9 @@ class ReportConfig:
         at_least("--fail-under-float-speedup", self.fail_under_float_speedup, 0.0)
 
 
+SERVABLE = ("recommended", *VARIANTS)  # what predict, export and pipeline.load take
+
+
 @dataclass
 class PredictConfig:
     """Predict image files with a variant of a run (`pipeline predict`)."""
@@ -360,6 +363,7 @@ class PredictConfig:
         at_least("--top-k", self.top_k, 1)
         at_least("--batch-size", self.batch_size, 1)
         at_least("--threads", self.threads, 0)
+        choice("--variant", self.variant, SERVABLE)
 
 
 @dataclass
@@ -375,6 +379,7 @@ class ExportConfig:
         if not self.out_dir:
             raise ValueError("export needs the folder to write: pipeline export OUT_DIR")
         expanded("OUT_DIR", self.out_dir)
+        choice("--variant", self.variant, SERVABLE)
 
 
 STAGE_CONFIGS = {"train": TrainConfig, "import": ImportConfig, "qat": QatConfig,

@@ -34,11 +34,9 @@ def run(config, run) -> None:
     from stages import runtimes
     from stages.data.datasets import preprocessing_of_run
     from stages.measure.machine import inference_threads
-    from stages.run.errors import PipelineError, UsageError
+    from stages.run.errors import PipelineError
 
-    files, empty = image_files(config.paths)
-    if empty:
-        raise UsageError(f"{', '.join(map(str, empty))}: no files in this folder")
+    files = files_to_predict(config.paths)
     name = runtimes.resolve(run, config.variant)
     spec = preprocessing_of_run(run)
     loaded = runtimes.load(run, name, inference_threads(config.threads))
@@ -48,6 +46,16 @@ def run(config, run) -> None:
                                 name if config.json else None)
     if skipped:
         raise PipelineError(skipped_summary(skipped, len(files)))
+
+
+def files_to_predict(paths) -> list[Path]:
+    """image_files' files; a folder with none is refused."""
+    from stages.run.errors import UsageError
+
+    files, empty = image_files(paths)
+    if empty:
+        raise UsageError(f"{', '.join(map(str, empty))}: no files in this folder")
+    return files
 
 
 def image_files(paths) -> tuple[list[Path], list[Path]]:

@@ -264,6 +264,30 @@ def test_a_compare_run_that_does_not_exist_is_refused_before_the_report_starts(t
     assert "report" not in run.manifest().get("stages", {})  # not marked failed: it never ran
 
 
+@pytest.mark.parametrize("last, needle", [
+    (["export", "{full}"], "{full} already exists and is not an empty folder"),
+    (["export", "--variant", "ort-statc", "{new}"], "--variant 'ort-statc' is not one of: "
+                                                    "recommended, fp32, amp"),
+    (["predict", "{empty}"], "{empty}: no files in this folder"),
+])
+def test_what_ends_a_chain_checks_its_input_before_the_chain_trains(tmp_path, monkeypatch,
+                                                                     last, needle):
+    """export's OUT_DIR, its --variant and predict's folders were checked when their stage
+    ran, after training, quantize and report had taken their minutes."""
+    from stages import train
+
+    monkeypatch.setattr(train, "run", lambda *args, **kwargs: pytest.fail("training ran"))
+    folders = {name: tmp_path / name for name in ("full", "new", "empty")}
+    for folder in (folders["full"], folders["empty"]):
+        folder.mkdir()
+    (folders["full"] / "x").write_text("a user's file")
+    result = invoke("--artifacts-dir", str(tmp_path / "artifacts"), *TINY,
+                    *[arg.format(**folders) for arg in last])
+    assert result.exit_code == 2, result.output
+    assert needle.format(**folders) in result.stderr
+    assert not (tmp_path / "artifacts" / "runs").exists()
+
+
 def test_compare_looks_for_its_runs_beside_a_run_given_by_its_path(tmp_path):
     """The report opens compared runs beside its own; the check before the chain looked in
     --artifacts-dir instead, and refused a run that was there (or passed one that was not)."""
