@@ -104,6 +104,11 @@ def as_usage_error(build: Callable, *args, **kwargs):
         raise click.UsageError(str(exc)) from None
 
 
+# Fields the command line always gives as arguments (`predict PATH...`, `export OUT_DIR`):
+# in a file they would be replaced without a word.
+ARGUMENTS = {"paths", "out_dir"}
+
+
 def read_config_file(path: Path) -> dict[str, dict]:
     """The stage tables ([train], [quantize], ...) of a TOML file, unknown keys refused."""
     try:
@@ -116,7 +121,7 @@ def read_config_file(path: Path) -> dict[str, dict]:
                              f"{', '.join(cfg.STAGE_CONFIGS)}")
         if not isinstance(table, dict):
             raise ValueError(f"--config {path}: [{stage}] must be a table of settings")
-        known = {f.name for f in dataclasses.fields(cfg.STAGE_CONFIGS[stage])}
+        known = {f.name for f in dataclasses.fields(cfg.STAGE_CONFIGS[stage])} - ARGUMENTS
         for key, value in table.items():
             if key not in known:
                 raise ValueError(f"--config {path}: unknown key {key!r} in [{stage}]; known: "

@@ -114,6 +114,9 @@ def test_config_file_fills_in_and_flags_win(tmp_path, monkeypatch):
     from_env = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path / "none"), "report"],
                                   env={"PIPELINE_CONFIG": str(config)})
     assert from_env.exit_code == 2 and "unknown key 'epoch' in [train]" in from_env.stderr
+    config.write_text('[export]\nout_dir = "deploy"\n')  # the argument would replace it unsaid
+    argument = invoke("--artifacts-dir", str(tmp_path), "--config", str(config), "report")
+    assert argument.exit_code == 2 and "unknown key 'out_dir' in [export]" in argument.stderr
 
 
 def test_a_config_files_list_of_methods_is_read_as_the_comma_list_is():
