@@ -86,7 +86,11 @@ def load_into(model, loaded: dict, source: str, adapt: bool) -> list[str]:
     another number of input channels is summed or repeated; any other difference in names or
     shapes is an error that names the first key."""
     own = model.state_dict()
-    missing = [k for k in own if k not in loaded]
+    # BatchNorm state saved before torch 0.4.1 (torchvision's first ImageNet weights among it)
+    # has no num_batches_tracked: torch's own loading fills it with 0, and so does this.
+    filled = {k: own[k].new_zeros(()) for k in own
+              if k.endswith(".num_batches_tracked") and k not in loaded}
+    missing = [k for k in own if k not in loaded and k not in filled]
     unexpected = [k for k in loaded if k not in own]
     if missing or unexpected:
         first = (f"{missing[0]!r} is missing from it" if missing
@@ -94,7 +98,7 @@ def load_into(model, loaded: dict, source: str, adapt: bool) -> list[str]:
         raise PipelineError(f"{source} does not fit {type(model).__name__}: {first} "
                             f"({len(missing)} missing, {len(unexpected)} unexpected keys); "
                             "check --model")
-    notes, weights = [], dict(loaded)
+    notes, weights = [], dict(loaded) | filled
     classifier, first_conv = _classifier_keys(model), _first_conv_weight(model)
     for key, tensor in loaded.items():
         if tensor.shape == own[key].shape:

@@ -117,6 +117,22 @@ def test_import_refuses_weights_that_do_not_fit_naming_the_key(tiny_run, tmp_pat
     assert "fp32" not in run.artifacts()
 
 
+def test_batchnorm_weights_saved_without_num_batches_tracked_load_as_torch_loads_them():
+    """BatchNorm state from before torch 0.4.1 (torchvision's first ImageNet weights) has no
+    num_batches_tracked; load_state_dict fills it with 0, and --weights and import had refused
+    the file for the missing key."""
+    from stages.models.build import build_model
+
+    model = build_model("smallcnn", 10, 1)
+    old = {k: v for k, v in model.state_dict().items() if "num_batches_tracked" not in k}
+    fresh = build_model("smallcnn", 10, 1)
+    assert weights.load_into(fresh, old, "old.pth", adapt=False) == []
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in old.items())
+    old.pop("1.running_mean")  # a key that is really missing is still named
+    with pytest.raises(PipelineError, match="'1.running_mean' is missing from it"):
+        weights.load_into(fresh, old, "old.pth", adapt=False)
+
+
 def test_import_from_an_image_folder_that_is_not_there_names_the_folder(tiny_run, tmp_path):
     """A mistyped --data-dir had built a model of ten guessed classes and blamed the weights
     (five classes here) for not fitting it."""
