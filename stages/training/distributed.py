@@ -100,21 +100,22 @@ def all_gather(value: Any) -> list[Any]:
 
 
 def reduce_health(values) -> list[float]:
-    """The training loop's device sums over every rank, read by the host once: loss, correct,
-    seen and skipped are summed, the longest run of skipped steps is the largest, and the
-    first step whose loss was not finite is the earliest on any rank (-1: none)."""
+    """The training loop's device sums over every rank, read by the host once: loss, correct
+    and seen are summed; the skipped steps and the longest run of them are the largest (a
+    step is skipped on every rank at once: the gradients GradScaler checks are all-reduced);
+    the first step whose loss was not finite is the earliest on any rank (-1: none)."""
     import torch
     import torch.distributed as dist
 
     if current().active:
         none = float(2 ** 62)
-        sums, longest, first_bad = values[:4].clone(), values[4:5].clone(), values[5:6].clone()
+        sums, skips, first_bad = values[:3].clone(), values[3:5].clone(), values[5:6].clone()
         first_bad = torch.where(first_bad < 0, none, first_bad)
         dist.all_reduce(sums)
-        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        dist.all_reduce(skips, op=dist.ReduceOp.MAX)
         dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
         first_bad = torch.where(first_bad >= none, -1.0, first_bad)
-        values = torch.cat([sums, longest, first_bad])
+        values = torch.cat([sums, skips, first_bad])
     return values.tolist()
 
 

@@ -23,3 +23,21 @@ def test_each_machines_first_rank_works_first_and_the_others_after_it(monkeypatc
 
 def test_a_single_process_works_once():
     assert distributed.main_first(lambda first: first) is True
+
+
+def test_skipped_steps_are_counted_once_not_once_per_rank(monkeypatch):
+    """GradScaler skips a step on every rank at once: summed over 2 ranks, 3 skipped steps
+    read 6, and optimizer steps (steps less skipped) came out short."""
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.setattr(distributed, "current", lambda: distributed.World(rank=0, world_size=2))
+
+    def two_equal_ranks(tensor, op=dist.ReduceOp.SUM):
+        return tensor.mul_(2) if op == dist.ReduceOp.SUM else tensor
+
+    monkeypatch.setattr(dist, "all_reduce", two_equal_ranks)
+    loss, correct, seen, skipped, longest, first_bad = distributed.reduce_health(
+        torch.tensor([1.0, 5, 10, 3, 2, -1], dtype=torch.float64))
+    assert (loss, correct, seen) == (2.0, 10, 20)
+    assert (skipped, longest, first_bad) == (3, 2, -1)
