@@ -295,15 +295,18 @@ def run(config, run: Run, resume: bool = False,
     if resume:
         config = resumed_config(config, run, distributed.current().world_size, resume_keeps)
     started = time.monotonic()
-    device, precision, splits, config = _set_up(config, run, resume)
-    # Where autocast resolves to fp32, `amp` is the baseline's computation step for step (same
-    # seed, data order and hyperparameters): it is trained once and fp32 is listed as its copy.
-    baseline_is_amp = config.baseline and precision.name == "fp32"
-    trained_baseline = config.baseline and not baseline_is_amp
-    variants = ([("fp32", Precision("fp32"))] if trained_baseline else []) + [("amp", precision)]
     deterministic_before = torch.are_deterministic_algorithms_enabled()
-    set_deterministic(config.deterministic or deterministic_before, device)
+    # Before the precision's timing and the range test: the rate it reads must not move.
+    set_deterministic(config.deterministic or deterministic_before,
+                      resolve_device(config.device))
     try:
+        device, precision, splits, config = _set_up(config, run, resume)
+        # Where autocast resolves to fp32, `amp` is the baseline's computation step for step
+        # (same seed, data order and hyperparameters): trained once, fp32 listed as its copy.
+        baseline_is_amp = config.baseline and precision.name == "fp32"
+        trained_baseline = config.baseline and not baseline_is_amp
+        variants = ([("fp32", Precision("fp32"))] if trained_baseline else []) + [
+            ("amp", precision)]
         results = _train_each(variants, splits, config, run, device, resume,
                               spent=time.monotonic() - started)
     finally:  # later stages in the same chain may use ops with no deterministic kernel

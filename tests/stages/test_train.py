@@ -932,3 +932,21 @@ def test_ranks_that_found_different_checkpoints_to_resume_from_are_stopped(tmp_p
     with pytest.raises(PipelineError, match="amp: the ranks found different checkpoints to "
                                             "resume from"):
         train._start("amp", FP32, splits, config, run, torch.device("cpu"), True, 0)
+
+
+def test_deterministic_holds_from_the_range_test_on_and_is_undone_after(tmp_path, monkeypatch):
+    """--deterministic was switched on after the precision's timing and the range test had
+    run: on CUDA their kernels could read another rate from run to run."""
+    from stages.training import lr_range
+
+    seen = []
+
+    def peak_lr(*args, **kwargs):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return 0.05, "a test's rate"
+
+    monkeypatch.setattr(lr_range, "peak_lr", peak_lr)
+    run = artifacts.create_run(tmp_path, "deterministic")
+    train.run(TrainConfig(**TINY_TRAIN | {"epochs": 1, "lr": "auto", "baseline": False,
+                                         "deterministic": True}), run)
+    assert seen == [True] and not torch.are_deterministic_algorithms_enabled()
