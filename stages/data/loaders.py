@@ -24,14 +24,20 @@ class EpochSampler:
         self.size, self.seed, self.rank, self.world_size = size, seed, rank, world_size
         self.batch_size = batch_size
         self.epoch, self.start = 0, 0
+        self.workers_generator = None  # its loader's (make_loader): seeded again each epoch
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
+        if self.workers_generator is not None:  # the workers' seeds: this epoch's, resumed too
+            self.workers_generator.manual_seed(self._epoch_seed() + 1)
+
+    def _epoch_seed(self) -> int:
+        return self.seed * 100_003 + self.epoch
 
     def _indices(self) -> list[int]:
         import torch
 
-        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        generator = torch.Generator().manual_seed(self._epoch_seed())
         order = torch.randperm(self.size, generator=generator).tolist()
         # Pad so that every rank gets as many samples (DistributedSampler does the same).
         per_rank = -(-self.size // self.world_size)
@@ -56,11 +62,16 @@ def make_loader(dataset, batch_size: int, sampler=None, workers: int = 0, pin_me
                 timeout: float = 0):
     import torch
 
-    # A generator of its own keeps the loader from drawing worker seeds from the global RNG,
-    # whose state a checkpoint restores: a resumed run then draws exactly what the original did.
+    # A generator of its own keeps the loader from drawing worker seeds from the global RNG
+    # (whose state a checkpoint restores, for workers=0's augmentation); an EpochSampler seeds
+    # it for each epoch, so that with workers a run resumed at an epoch's start draws what the
+    # original did there (part way into one, the workers meet other images: not the same).
+    generator = torch.Generator().manual_seed(0)
+    if isinstance(sampler, EpochSampler):
+        sampler.workers_generator = generator
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                                        shuffle=False, num_workers=workers, pin_memory=pin_memory,
-                                       timeout=timeout, generator=torch.Generator().manual_seed(0))
+                                       timeout=timeout, generator=generator)
 
 
 def batches(dataset, batch_size: int = 256):

@@ -2,7 +2,8 @@
 
 A checkpoint holds everything the loop needs to continue exactly where it stopped (weights,
 optimizer, LR schedule, scaler, RNG states, epoch and position in the epoch, the epoch's
-running sums), so a resumed run on CPU ends bit-identical to one that was never interrupted.
+running sums), so a resumed run on CPU ends bit-identical to one that was never interrupted
+(with --workers, where it resumes at an epoch's start: stages/data/loaders.py says why).
 """
 from __future__ import annotations
 

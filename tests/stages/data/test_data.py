@@ -135,3 +135,31 @@ def test_calibration_holds_512_images_up_to_64x64_then_their_pixels_down_to_128(
 
     sizes = (8, 32, 64, 96, 128, 224, 512)
     assert [default_calibration_samples(s) for s in sizes] == [512, 512, 512, 227, 128, 128, 128]
+
+
+class _Draws(torch.utils.data.Dataset):
+    """What a worker's augmentation draws for each image: its random state at that read."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return torch.rand(1), index
+
+
+def test_with_workers_an_epoch_draws_the_same_augmentation_after_a_resume():
+    """The loader's generator was seeded once, when the loader was made: a run resumed at
+    epoch 2 gave its workers the seeds of the original's epoch 1."""
+    from stages.data.loaders import EpochSampler, make_loader
+
+    def epoch(loader, sampler, number):
+        sampler.set_epoch(number)
+        return torch.cat([draws for draws, _ in loader])
+
+    sampler = EpochSampler(8, seed=3, batch_size=4)
+    original = make_loader(_Draws(), 4, sampler, workers=2)
+    first, second = epoch(original, sampler, 1), epoch(original, sampler, 2)
+    resumed_sampler = EpochSampler(8, seed=3, batch_size=4)
+    resumed = make_loader(_Draws(), 4, resumed_sampler, workers=2)
+    assert torch.equal(epoch(resumed, resumed_sampler, 2), second)
+    assert not torch.equal(first, second)
