@@ -80,7 +80,9 @@ class TrainConfig:
     in_channels: int | None = None  # None: the data's own (1 for grey, 3 for colour)
     epochs: int | None = None  # at most; None: DEFAULT_EPOCHS, or under --time what fits
     time: float | None = None  # seconds for the stage, the range test's included; None: no limit
-    patience: int = 5  # epochs without a better validation accuracy before training stops
+    # Epochs without a better validation accuracy, in the plan's second half, after which its
+    # cosine is cut to end that many epochs later (plans.anneal_on_plateau).
+    patience: int = 5
     batch_size: int = 64
     lr: float | str = "auto"  # the schedule's peak, found by a range test (lr_range.py)
     weight_decay: float = 5e-4

@@ -269,7 +269,7 @@ class Loop:
         return self.totals.planned_epochs or self.epochs
 
     def state(self) -> dict:
-        return {"model": self.parts.model.state_dict(),
+        return {"model": cpu_state_dict(self.parts.model),  # contiguous, as model.pt's
                 "optimizer": self.parts.optimizer.state_dict(),
                 "scheduler": self.parts.scheduler.state_dict(),
                 "scaler": self.parts.scaler.state_dict(), "position": asdict(self.pos),

@@ -41,6 +41,8 @@ def test_convolutions_train_channels_last_and_the_file_holds_plain_tensors(tmp_p
     assert run.entry("amp")["training"]["memory_format"] == "channels_last"
     convs = [t for t in state.values() if t.dim() == 4]
     assert convs and all(t.is_contiguous() for t in state.values())
+    checkpoint = loading.load_checkpoint(run.verified_path("amp/checkpoint-last"))["model"]
+    assert all(t.is_contiguous() for t in checkpoint.values())  # design.md: either way
 
 
 def test_a_model_whose_forward_needs_nchw_trains_as_it_is(tmp_path):
