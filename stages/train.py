@@ -168,12 +168,13 @@ def _checkpoint(model: Model) -> None:
 
 def _score(model: Model):
     """Recompute BatchNorm statistics from training images, then score the validation split:
-    its hits, image by image."""
+    its hits, image by image; rank 0's on every rank, so that ranks whose kernels round one
+    image apart (CPUs of two kinds) still keep the same best epoch and cut the same plan."""
     trained, device = model.loop.parts.model, model.loop.device
     batchnorm.recompute_module(trained, model.splits.calibration, model.config.batch_size,
                                device)
     distributed.sync_buffers(trained)
-    return dataset_hits(trained, model.splits.val, device)
+    return distributed.broadcast(dataset_hits(trained, model.splits.val, device))
 
 
 def _end_epoch(model: Model, budget: float | None, epoch: int, record: dict,

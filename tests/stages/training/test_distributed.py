@@ -41,3 +41,23 @@ def test_skipped_steps_are_counted_once_not_once_per_rank(monkeypatch):
         torch.tensor([1.0, 5, 10, 3, 2, -1], dtype=torch.float64))
     assert (loss, correct, seen) == (2.0, 10, 20)
     assert (skipped, longest, first_bad) == (3, 2, -1)
+
+
+def test_every_rank_keeps_rank_0s_validation_hits(monkeypatch):
+    """Each rank scored validation itself: ranks whose kernels round one image apart kept
+    different best epochs or cut their plans apart, and their collectives no longer met."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from stages import train
+
+    own, rank_0s = torch.tensor([True, False]), torch.tensor([True, True])
+    monkeypatch.setattr(train.batchnorm, "recompute_module", lambda *args: None)
+    monkeypatch.setattr(distributed, "sync_buffers", lambda model: None)
+    monkeypatch.setattr(train, "dataset_hits", lambda *args: own)
+    monkeypatch.setattr(distributed, "broadcast", lambda value: rank_0s)
+    model = SimpleNamespace(loop=SimpleNamespace(parts=SimpleNamespace(model=None), device="cpu"),
+                            splits=SimpleNamespace(calibration=None, val=None),
+                            config=SimpleNamespace(batch_size=1))
+    assert train._score(model) is rank_0s
