@@ -76,8 +76,9 @@ def expanded(flag: str, text: str) -> Path:
                          "path in full") from None
 
 
-def choice(flag: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
+def choice(flag: str, value: Any, allowed: tuple, optional: bool = False) -> None:
+    """``value`` is one of ``allowed`` (or None, where ``optional``: the default in words)."""
+    if value not in allowed and not (optional and value is None):
         raise ValueError(f"{flag} {value!r} is not one of: {', '.join(map(str, allowed))}")
 
 
@@ -93,6 +94,11 @@ MAX_SEED = 2 ** 32 - 1
 def seed_field(config) -> None:
     if isinstance(config.seed, int) and not 0 <= config.seed <= MAX_SEED:
         raise ValueError(f"--seed must be from 0 to {MAX_SEED}, got {config.seed}")
+
+
+def at_most(flag: str, value: float, high: float, why: str = "") -> None:
+    if not value <= high:
+        raise ValueError(f"{flag} must be at most {high:,}{why}, got {value}")
 
 
 def greater_than(flag: str, value: float, low: float) -> None:
