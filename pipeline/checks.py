@@ -101,6 +101,11 @@ def at_most(flag: str, value: float, high: float, why: str = "") -> None:
         raise ValueError(f"{flag} must be at most {high:,}{why}, got {value}")
 
 
+def within(flag: str, value: float, low: float, high: float, why: str = "") -> None:
+    at_least(flag, value, low)
+    at_most(flag, value, high, why)
+
+
 def greater_than(flag: str, value: float, low: float) -> None:
     if not value > low:  # also refuses NaN
         raise ValueError(f"{flag} must be greater than {low}, got {value}")

@@ -22,6 +22,7 @@ from pipeline.checks import (
     no_choices_under_auto,
     parse_int_list,
     seed_field,
+    within,
 )
 from stages.data.datasets import DATASETS, SHAPES
 from stages.runtimes import VARIANTS, made_by_quantize
@@ -29,6 +30,8 @@ from stages.runtimes import VARIANTS, made_by_quantize
 DATASET_NAMES = tuple(DATASETS)  # the registry (stages/data), which imports no torch
 PRECISIONS = ("auto", "fp16", "bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
+SERVABLE = ("recommended", *VARIANTS)  # what predict, export and pipeline.load take
+MAX_THREADS = 256  # --threads 100000 went to every runtime's thread pool as it was
 # The variants quantize makes, in the order it makes them (the registry imports no torch).
 QUANT_METHODS = tuple(made_by_quantize())
 QAT_METHODS = tuple(name for name, v in VARIANTS.items() if v.stage == "qat")
@@ -40,11 +43,9 @@ EQUALIZED_METHODS = ("torch-static", "ort-static")
 
 
 def _check_data_flags(config) -> None:
-    """The flags train and import share: the data, its split and size, and the model's name;
-    --data-dir made absolute."""
+    """The flags train and import share: the data, its split and size, and the model's name."""
     choice("--dataset", config.dataset, DATASET_NAMES)
-    # Saved, and read again by later stages run from elsewhere: relative, it named elsewhere.
-    config.data_dir = str(expanded("--data-dir", config.data_dir).absolute())
+    expanded("--data-dir", config.data_dir)  # saved as given; the run records where it read
     if not 0.0 < config.val_fraction < 1.0:
         raise ValueError(f"--val-fraction must be between 0 and 1, got {config.val_fraction}")
     if config.in_channels is not None:
@@ -155,8 +156,7 @@ class ImportConfig:
         check_types(self)
         seed_field(self)
         if not self.weights:
-            raise ValueError("--weights is required: the file (or torchvision weights name) to "
-                             "import")
+            raise ValueError("--weights is required: the file (or torchvision weights) to import")
         if not (expanded("--weights", self.weights).is_file()
                 or WEIGHTS_NAME.fullmatch(self.weights)):
             raise ValueError(f"--weights {self.weights!r} is not a file, nor a name of "
@@ -309,7 +309,7 @@ class ReportConfig:
             raise ValueError("--batch-sizes is empty; give numbers such as 1,32")
         for size in self.batch_sizes:
             at_least("--batch-sizes", size, 1)
-        at_least("--threads", self.threads, 0)
+        within("--threads", self.threads, 0, MAX_THREADS, " (0: one per core, up to 8)")
         at_least("--warmup", self.warmup, 1)  # compiled variants build their graph there
         at_least("--rounds", self.rounds, 3)
         if not self.max_rounds >= self.rounds:  # name both: either may be the one to change
@@ -324,9 +324,6 @@ class ReportConfig:
         at_least("--max-accuracy-drop", self.max_accuracy_drop, 0.0)
         at_least("--fail-under-speedup", self.fail_under_speedup, 0.0)
         at_least("--fail-under-float-speedup", self.fail_under_float_speedup, 0.0)
-
-
-SERVABLE = ("recommended", *VARIANTS)  # what predict, export and pipeline.load take
 
 
 @dataclass
@@ -355,7 +352,7 @@ class PredictConfig:
                 raise ValueError(f"{path}: {exc.strerror}; give image files or folders") from None
         at_least("--top-k", self.top_k, 1)
         at_least("--batch-size", self.batch_size, 1)
-        at_least("--threads", self.threads, 0)
+        within("--threads", self.threads, 0, MAX_THREADS, " (0: one per core, up to 8)")
         choice("--variant", self.variant, SERVABLE)
 
 

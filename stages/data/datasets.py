@@ -44,6 +44,8 @@ class DataSplits:
     # Those files, relative to --data-dir: a later stage drops them again without decoding
     # every file to find them (an image folder of 100,000 photos takes minutes).
     skipped_files: tuple[str, ...] = ()
+    data_dir: str | None = None  # the folder read, absolute (None: data shipped with us)
+    test_fraction: float | None = None  # the test share one image folder was split with
     classes: tuple[str, ...] = ()  # the name of each class index, as the data set gives them
     # How one image becomes the model's input (stages/data/preprocess.py): the evaluation
     # transform as numbers, for pipeline.load, predict and export.
@@ -72,7 +74,9 @@ class DataSplits:
             found = members(getattr(self, name))
             identity[name] = {"images": len(found), "sha256": hashlib.sha256(  # a name that is
                 "\n".join(found).encode(errors="surrogateescape")).hexdigest()}  # not UTF-8 too
-        return identity | {"skipped_files": list(self.skipped_files)}
+        where = {"data_dir": self.data_dir, "test_fraction": self.test_fraction}
+        return identity | {"skipped_files": list(self.skipped_files)} | {
+            key: value for key, value in where.items() if value is not None}
 
 
 # The test split's share where a data set has none of its own (the digits, one image folder):
@@ -109,6 +113,17 @@ def stratified_split(labels, fraction: float, seed: int):
     return np.sort(np.concatenate(kept)), np.sort(np.concatenate(held_out))
 
 
+def three_splits(labels, test_fraction: float, val_fraction: float, seed: int):
+    """Indices (train, val, test) of ``labels``, each class in proportion: the test split with
+    a fixed seed (0), the same whatever --seed; validation from the rest with ``seed``."""
+    import numpy as np
+
+    labels = np.asarray(labels)
+    rest, test = stratified_split(labels, test_fraction, seed=0)
+    train, val = stratified_split(labels[rest], val_fraction, seed=seed)
+    return rest[train], rest[val], test
+
+
 def digits_arrays():
     """The digits as shipped: images (1797, 8, 8) of 0..16 and labels (1797,), uint8."""
     import numpy as np
@@ -135,9 +150,8 @@ def digits(image_size: int = 32, seed: int = 0, val_fraction: float = 0.1,
     raw_images, raw_labels = digits_arrays()
     images = torch.tensor(raw_images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(raw_labels, dtype=torch.long)
-    rest, test = stratified_split(raw_labels, TEST_FRACTION, seed=0)
-    train, val = stratified_split(raw_labels[rest], val_fraction, seed=seed)
-    train, val = rest[train], rest[val]
+    train, val, test = three_splits(raw_labels, TEST_FRACTION, val_fraction, seed)
+    rest = np.sort(np.concatenate([train, val]))
 
     # Statistics of train+val, never test, and independent of --seed so test inputs are fixed.
     mean, std = images[rest].mean(), images[rest].std()
@@ -237,23 +251,29 @@ def load_splits(config, trained_on: dict | None = None) -> DataSplits:
     """The splits a config names: a TrainConfig, an ImportConfig, or the DataConfig a run's
     trained model saved (stages/run/trained.py); refused where ``trained_on``, the identity
     recorded when the run trained (DataSplits.identity), differs: split again, a folder with a
-    file more or less moves images between the test and training splits."""
-    skipped = (trained_on or {}).get("skipped_files")  # None: a run from before it was kept
+    file more or less moves images between the test and training splits. The data is read
+    where the run found it (``trained_on``'s absolute data_dir) while that folder is there,
+    else from the config's data_dir (a run copied elsewhere with its data)."""
+    recorded = trained_on or {}
+    skipped = recorded.get("skipped_files")  # None: a run from before it was kept
+    found_at = recorded.get("data_dir")
+    data_dir = found_at if found_at and Path(found_at).is_dir() else config.data_dir
+    # A run from before the test share was recorded: one image folder's was --val-fraction's.
+    test_fraction = TEST_FRACTION if trained_on is None else recorded.get("test_fraction")
     try:
         splits = load_dataset(config.dataset, image_size=config.image_size, seed=config.seed,
-                              data_dir=config.data_dir, download=config.download,
+                              data_dir=data_dir, download=config.download,
                               val_fraction=config.val_fraction, in_channels=config.in_channels,
-                              skip_bad_images=config.skip_bad_images,
-                              known_unreadable=None if skipped is None else tuple(skipped))
+                              skip_bad_images=config.skip_bad_images, test_fraction=test_fraction,
+                              known_unreadable=None if skipped is None else frozenset(skipped))
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
-    splits_of = ("test", "val", "train")
-    if trained_on is not None and any((now := splits.identity())[s] != trained_on[s]
-                                      for s in splits_of):
-        changed = next(s for s in splits_of if now[s] != trained_on[s])
+    now = splits.identity() if trained_on is not None else {}
+    changed = next((s for s in ("test", "val", "train") if now and now[s] != trained_on[s]), None)
+    if changed:
         before, after = trained_on[changed]["images"], now[changed]["images"]
         raise PipelineError(
-            f"the data in {config.data_dir} is not what this run was trained on: its {changed} "
+            f"the data in {data_dir} is not what this run was trained on: its {changed} "
             f"split held {before} images and now holds "
             f"{after if after != before else 'as many, but others'}, so test images could be "
             "training images; put the data back as it was, or train a new run on it")

@@ -11,6 +11,7 @@ from stages.data.datasets import (
     register_dataset,
     split_folders,
     stratified_split,
+    three_splits,
 )
 from stages.run.errors import PipelineError
 
@@ -98,12 +99,22 @@ def _expected_files(name: str, root: Path) -> tuple[Path, list[str]]:
 
 def check_present(name: str, data_dir: str, download: bool) -> None:
     """Refuse a torchvision set whose files are not in ``data_dir`` (and not to be
-    downloaded) before a run is made for it, with the message loading it would give."""
-    folder, files = _expected_files(name, Path(data_dir).expanduser())
-    if not download and not all((folder / file).is_file() for file in files):
-        raise PipelineError(f"--dataset {name}: no usable data in {folder} (expected "
-                            f"{', '.join(files)}); pass --download to fetch it where the "
-                            "network allows")
+    downloaded) before a run is made for it, with the message loading it would give. MNIST's
+    older processed/ files (training.pt, test.pt) are read by torchvision as well."""
+    root = Path(data_dir).expanduser()
+    folder, files = _expected_files(name, root)
+    legacy = [folder.parent / "processed" / f for f in ("training.pt", "test.pt")]
+    if download or all((folder / file).is_file() for file in files) or (
+            name.endswith("mnist") and all(path.is_file() for path in legacy)):
+        return
+    raise _no_data(name, root, download)
+
+
+def _no_data(name: str, root: Path, download: bool) -> PipelineError:
+    folder, files = _expected_files(name, root)
+    hint = "" if download else "; pass --download to fetch it where the network allows"
+    return PipelineError(f"--dataset {name}: no usable data in {folder} (expected "
+                         f"{', '.join(files)}){hint}")
 
 
 def _torchvision_splits(name: str, image_size: int, seed: int, data_dir: Path, download: bool,
@@ -120,10 +131,7 @@ def _torchvision_splits(name: str, image_size: int, seed: int, data_dir: Path, d
         try:
             return cls(str(root), train=train, download=download, transform=transform)
         except RuntimeError as exc:
-            folder, files = _expected_files(name, root)
-            hint = "" if download else "; pass --download to fetch it where the network allows"
-            raise PipelineError(f"--dataset {name}: no usable data in {folder} (expected "
-                                f"{', '.join(files)}){hint}") from exc
+            raise _no_data(name, root, download) from exc
         except OSError as exc:
             raise PipelineError(f"--dataset {name}: cannot read {root}: {exc}") from exc
 
@@ -134,7 +142,7 @@ def _torchvision_splits(name: str, image_size: int, seed: int, data_dir: Path, d
     channels = in_channels or len(STATS[name][0])
     return DataSplits(subset(augmented, sorted(train_idx)), subset(plain, sorted(val_idx)), test,
                       subset(plain, sorted(train_idx)), num_classes=len(augmented.classes),
-                      in_channels=channels, image_size=image_size,
+                      in_channels=channels, image_size=image_size, data_dir=str(root.absolute()),
                       classes=tuple(augmented.classes), preprocessing=_pil_preprocessing(name),
                       augmentation=augmentation_of(name, image_size))
 
@@ -255,32 +263,28 @@ def _from_split_folders(found: dict, folder, val_fraction: float, seed: int):
     return augmented, plain, train_idx, torch.utils.data.Subset(plain, sorted(val_idx)), test
 
 
-def _from_one_folder(root: Path, folder, val_fraction: float, seed: int):
-    """The same of one folder of class folders, split twice: the test split (TEST_FRACTION,
+def _from_one_folder(root: Path, folder, val_fraction: float, seed: int, test_fraction: float):
+    """The same of one folder of class folders, split twice: the test split (``test_fraction``,
     with a fixed seed), then validation from the rest."""
     import torch
 
     augmented, plain = folder(root, True, True), folder(root, False, False)
     _check_classes(augmented, root, least=3)  # split twice: test, then validation
-    rest, test_idx = stratified_split(augmented.targets, TEST_FRACTION, seed=0)
-    rest_targets = [augmented.targets[i] for i in rest]
-    train_part, val_part = stratified_split(rest_targets, val_fraction, seed)
+    train, val, test = three_splits(augmented.targets, test_fraction, val_fraction, seed)
     subset = torch.utils.data.Subset
-    return (augmented, plain, rest[train_part], subset(plain, sorted(rest[val_part])),
-            subset(plain, sorted(test_idx)))
+    return augmented, plain, train, subset(plain, sorted(val)), subset(plain, sorted(test))
 
 
 @register_dataset("imagefolder")
 def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
                 val_fraction: float = 0.1, in_channels: int | None = None,
-                skip_bad_images: bool = False, known_unreadable: tuple[str, ...] | None = None,
-                **_: object) -> DataSplits:
+                skip_bad_images: bool = False, known_unreadable: frozenset | None = None,
+                test_fraction: float | None = TEST_FRACTION, **_: object) -> DataSplits:
     """A folder of class subfolders: its train/, val/ and test/ where it has them (train/ with
     one of the others: that one is the test split, and validation is drawn from train/),
-    otherwise one folder split into test (TEST_FRACTION, fixed), then val (val_fraction of the
-    rest) and train, each class in proportion. Every file is decoded to find those it cannot
-    read, unless ``known_unreadable`` names them (relative to ``data_dir``: what training
-    skipped, for a later stage)."""
+    otherwise one folder split in three (``test_fraction`` None: val_fraction's share, as runs
+    before 4f94e1f were). Every file is decoded to find those it cannot read, unless
+    ``known_unreadable`` names them (relative to ``data_dir``: what training skipped)."""
     import torch
 
     from stages.data.image_folder import VisibleImageFolder
@@ -318,14 +322,16 @@ def imagefolder(image_size: int = 32, seed: int = 0, data_dir: str = "data",
 
     subset = torch.utils.data.Subset
     found = split_folders(root)
+    test_fraction = None if found else val_fraction if test_fraction is None else test_fraction
     augmented, plain, train_idx, val, test = (
         _from_split_folders(found, folder, val_fraction, seed) if found
-        else _from_one_folder(root, folder, val_fraction, seed))
+        else _from_one_folder(root, folder, val_fraction, seed, test_fraction))
     return DataSplits(subset(augmented, sorted(train_idx)), val, test,
                       subset(plain, sorted(train_idx)), num_classes=len(augmented.classes),
                       in_channels=in_channels or 3, image_size=image_size,
                       skipped_images=skipped, classes=tuple(augmented.classes),
                       skipped_files=tuple(sorted(_relative(p, root) for bad in scanned.values()
                                                  for p in bad)),
+                      data_dir=str(root.absolute()), test_fraction=test_fraction,
                       preprocessing=_pil_preprocessing("imagefolder"),
                       augmentation=augmentation_of("imagefolder", image_size))

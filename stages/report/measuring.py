@@ -112,7 +112,8 @@ def measure_variants(run: Run, config, threads: int, scratch: Path, skip=(), pla
         made = load()
         if made is None:
             unmeasured.append(f"{name} not measured: ONNX Runtime here has no CUDA execution "
-                              "provider (install onnxruntime-gpu in place of onnxruntime)")
+                              "provider that starts (onnxruntime-gpu in place of onnxruntime, "
+                              "with the CUDA and cuDNN libraries it was built for)")
             continue
         loaded[name] = made
         row, logits[name] = score(run, name, variant, made, splits, selection, reference)

@@ -60,13 +60,13 @@ def speedups(rows: list[dict], reference: str, budget_points: float) -> None:
                         best_fp32, row, size) | {"best_fp32": best_fp32["name"]}
 
 
-def cap_that_pays(row: dict, size: str) -> str | None:
+def cap_that_pays(row: dict, size: str, clean_only: bool = True) -> str | None:
     """The oneDNN cap (ONEDNN_MAX_CPU_ISA) under which ``row`` ran faster than with AMX at
-    batch ``size``, beyond noise, in sessions the machine left alone (stages/report/worker.py:
-    time_below_amx): export writes it into the deployment. Else None."""
+    batch ``size``, beyond noise (stages/report/worker.py: time_below_amx), and, ``clean_only``,
+    in sessions the machine left alone: what export writes into the deployment. Else None."""
     below = row.get("below_amx") or {}
     faster = below.get("amx_speedup", {}).get(size)
-    clean = below.get("timing_clean", True)  # a report before it was recorded
+    clean = below.get("timing_clean", True) or not clean_only  # True: a report before it
     return below["onednn_max_cpu_isa"] if faster and faster["high"] < 1.0 and clean else None
 
 

@@ -31,7 +31,7 @@ import os
 from pathlib import Path
 
 from stages.data.datasets import splits_of_run
-from stages.measure import machine, timing
+from stages.measure import contention, machine, timing
 from stages.report.measuring import BELOW_AMX_PHASE, EXTRAS, measure_variants, time_variants
 from stages.run import isolated
 from stages.run.artifacts import Run, versions
@@ -139,8 +139,8 @@ def time_below_amx(run: Run, config, threads: int, rows: list[dict],
         row["below_amx"] = {"onednn_max_cpu_isa": isa["onednn_max_cpu_isa"],
                             "latency_ms": latency, "amx_speedup": faster,
                             "timing_clean": conditions["clean"] and all(
-                                s["clean"] for s in timed_with_amx["sessions"]
-                                if s["device"] == "cpu" and str(s["batch_size"]) in timings)}
+                                session["clean"] for size, session in contention.sessions_of(
+                                    timed_with_amx, "cpu").items() if size in timings)}
     return []
 
 

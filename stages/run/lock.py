@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from typing import Iterator
 
@@ -20,17 +21,19 @@ def hold_run(run: Run, doing: str) -> Iterator[None]:
     Under torchrun rank 0 holds it for every rank."""
     import fcntl
 
-    leaving = links_out(run)
-    if leaving:  # a run folder copied in is data: a link in it must not take our writes out
-        raise PipelineError(f"run folder {run.root} holds a link that leads out of it "
-                            f"({', '.join(leaving)}); a stage would write where it points: "
-                            "replace it with a file or folder of its own")
     path = run.root / LOCK_NAME
-    try:
+    try:  # written in place (the holder's pid): not through a link a copied run folder holds
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
+        if exc.errno == errno.ELOOP or path.is_symlink():
+            raise PipelineError(f"{path} is a link; the lock is written in place, so remove "
+                                "it (a run folder's .lock is its own file)") from None
         raise PipelineError(f"cannot write in run folder {run.root}: {exc.strerror}; check its "
                             "permissions or choose another --artifacts-dir") from None
+    if os.fstat(fd).st_nlink > 1:  # a hard link: another name for someone's file
+        os.close(fd)
+        raise PipelineError(f"{path} has another name (a hard link); the lock is written in "
+                            "place, so remove it (a run folder's .lock is its own file)")
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -47,12 +50,3 @@ def hold_run(run: Run, doing: str) -> Iterator[None]:
     finally:
         os.close(fd)  # releases the lock
 
-
-def links_out(run: Run) -> list[str]:
-    """The run folder's entries, and its stage folders' (train/amp, report/), that are links
-    leading out of it: the lock file is written in place, and a stage writes into its folder."""
-    root = run.root.resolve()
-    folders = [run.root, *(p for p in run.root.iterdir() if p.is_dir() and not p.is_symlink())]
-    return sorted(entry.relative_to(run.root).as_posix() for folder in folders
-                  for entry in folder.iterdir() if entry.is_symlink()
-                  and root not in entry.resolve().parents)

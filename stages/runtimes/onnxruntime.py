@@ -20,7 +20,7 @@ from stages.measure.machine import cpu_has_vnni
 from stages.quantization import sensitivity, tuning
 from stages.quantization.sensitivity import Scheme
 from stages.run.errors import NotMade, PipelineError
-from stages.run.files import atomic_path, converter_errors
+from stages.run.files import atomic_path, converter_errors, raise_if_disk_failure
 from stages.runtimes import FLOAT, Loaded, loader, onnx_export, profilers, variant
 from stages.runtimes.onnx_export import INPUT_NAME, OUTPUT_NAME
 
@@ -62,6 +62,7 @@ def ort_session(path: Path, threads: int, disabled_optimizers: tuple[str, ...] =
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"],
                                     disabled_optimizers=list(disabled_optimizers))
     except Exception as exc:  # NotMade: while quantize makes a variant, it costs that one
+        raise_if_disk_failure(exc, path)  # a full disk or an I/O error stays the stage's
         raise NotMade(f"ONNX Runtime cannot load {path}: "
                       f"{str(exc).strip().splitlines()[0][:300]}") from exc
 

@@ -47,3 +47,12 @@ def test_a_setting_that_must_be_positive_refuses_zero(stage, field):
     assert getattr(config_class(**{field: 0.5}), field) == 0.5
     with pytest.raises(ValueError, match=f"^{_flag(field)} must be "):
         config_class(**{field: 0})
+
+
+@pytest.mark.parametrize("stage, others", [("report", {}), ("predict", {"paths": (".",)})])
+def test_threads_take_at_most_the_cap_and_refuse_more(stage, others):
+    """--threads 100000 went to every runtime's thread pool as it was."""
+    config_class = cfg.STAGE_CONFIGS[stage]
+    assert config_class(**others | {"threads": cfg.MAX_THREADS}).threads == cfg.MAX_THREADS
+    with pytest.raises(ValueError, match=f"^--threads must be at most {cfg.MAX_THREADS}"):
+        config_class(**others | {"threads": cfg.MAX_THREADS + 1})

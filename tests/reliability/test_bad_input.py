@@ -89,11 +89,14 @@ def test_a_later_stage_drops_the_files_training_skipped_without_decoding_every_f
                              skip_bad_images=True)
     trained_on = load_splits(config).identity()
     assert trained_on["skipped_files"] == ["c0/empty.png", "c1/text.png", "c1/truncated.png"]
-    decoded = []
+    decoded, decode = [], torchvision_sets._DecodedImages._decode
     monkeypatch.setattr(torchvision_sets._DecodedImages, "_decode",
-                        lambda self, path: decoded.append(path))
+                        lambda self, path: decoded.append(path) or decode(self, path))
     again = load_splits(config, trained_on)
     assert decoded == [] and again.identity() == trained_on
+    older = {key: value for key, value in trained_on.items() if key != "skipped_files"}
+    assert load_splits(config, older).skipped_files == tuple(trained_on["skipped_files"])
+    assert len(decoded) == 23  # a run from before they were named: every file read to find them
 
 
 def test_skipped_images_are_counted_in_the_run(tmp_path):

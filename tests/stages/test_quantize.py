@@ -1,5 +1,6 @@
 """Every variant of the tiny run: listed, int8 where it says so, reloadable, and checked."""
 import copy
+import errno
 import json
 from pathlib import Path
 
@@ -493,6 +494,14 @@ def test_onnx_runtime_refusing_a_model_costs_its_variants_not_the_stage(fresh_ti
         "not made: ONNX Runtime failed: [ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : a test's "
         "kernel")
     assert "onnx-fp32" not in fresh_tiny_run.artifacts()
+
+    def disk_full(*_, **__):  # a write the system refused stays the stage's, said as such
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", disk_full)
+    with pytest.raises(PipelineError, match="model.onnx failed: No space left on device"):
+        quantize.run(QuantizeConfig(methods="onnx-fp32", calibration_samples=64, quiet=True),
+                     fresh_tiny_run)
 
 
 def test_a_converters_own_error_costs_its_variant_and_what_was_made_from_it_before(

@@ -301,9 +301,35 @@ def test_a_held_out_folder_left_empty_by_skipped_images_is_refused(tmp_path):
                      skip_bad_images=True)
 
 
-def test_a_relative_data_dir_is_saved_absolute(tmp_path, monkeypatch):
-    """quantize and report read the data again from the saved config, perhaps from another
-    folder: a relative --data-dir named another place there."""
-    monkeypatch.chdir(tmp_path)
-    config = TrainConfig(model="smallcnn", dataset="imagefolder", data_dir="photos")
-    assert config.data_dir == str(tmp_path / "photos")
+def test_a_later_stage_reads_the_data_where_training_found_it(tmp_path, monkeypatch):
+    """quantize and report read the data again from the saved config: a relative --data-dir
+    named another folder (or none) when they ran from elsewhere. The run records where the data
+    was found; a run copied with its data beside it reads it from the config's path."""
+    from stages.data.datasets import load_splits
+
+    _png_folder(tmp_path / "project" / "photos", per_class=4, size=8)
+    monkeypatch.chdir(tmp_path / "project")
+    config = TrainConfig(model="smallcnn", dataset="imagefolder", data_dir="photos", image_size=8)
+    trained_on = load_splits(config).identity()
+    assert config.data_dir == "photos"  # saved as given
+    assert trained_on["data_dir"] == str(tmp_path / "project" / "photos")
+    monkeypatch.chdir(tmp_path)  # `pipeline --artifacts-dir project/artifacts report`
+    assert load_splits(config, trained_on).identity() == trained_on
+    (tmp_path / "project").rename(tmp_path / "copied")
+    monkeypatch.chdir(tmp_path / "copied")
+    assert load_splits(config, trained_on).data_dir == str(tmp_path / "copied" / "photos")
+
+
+def test_a_single_image_folder_run_split_before_the_test_share_was_fixed_splits_as_it_did(
+        tmp_path):
+    """A run whose recorded data has no test_fraction was split with --val-fraction's share
+    for test too: it must be split so again, not refused as changed data."""
+    from stages.data.datasets import load_splits
+
+    config = TrainConfig(model="smallcnn", dataset="imagefolder", image_size=8,
+                         data_dir=str(_png_folder(tmp_path / "flat", per_class=20, size=8)))
+    then = load_dataset("imagefolder", image_size=8, seed=0, data_dir=config.data_dir,
+                        test_fraction=None)  # the rule before 4f94e1f: 10% of 60
+    older = {key: value for key, value in then.identity().items() if key != "test_fraction"}
+    assert older["test"]["images"] == 6 and len(load_splits(config).test) == 12
+    assert len(load_splits(config, older).test) == 6
