@@ -172,9 +172,12 @@ def escalate_to_qat(run: Run, made: list[str], budget_points: float, qat_config,
     from stages.run.errors import Diverged
 
     met, why = post_training_verdict(run, made, budget_points)
-    say(f"--auto: {why}" + ("" if met else "; trying quantization-aware training"), quiet=quiet)
+    has_qat = "torch-qat" in run.artifacts()  # `pipeline qat` ran: its flags, not ours, hold
+    say(f"--auto: {why}" + ("" if met else "; the run has its quantization-aware training "
+                            "already (pipeline qat)" if has_qat else
+                            "; trying quantization-aware training"), quiet=quiet)
     run.record_config("quantize", run.recorded_config("quantize") | {"auto_verdict": why})
-    if met:
+    if met or has_qat:
         return []
     try:
         return qat.run(qat_config, run)

@@ -234,13 +234,16 @@ def prepare_qat(graph, options: dict):
     """``graph`` (exported for training) with the fake quantizers of ``options``' QAT recipe:
     what quantization-aware training fine-tunes (runtimes/qat.py)."""
     quantize_pt2e_module, _ = _pt2e()
-    return quantize_pt2e_module.prepare_qat_pt2e(graph, make_quantizer(options, qat=True))
+    with converter_errors("torchao's PT2E QAT preparation"):  # its refusal costs QAT alone
+        return quantize_pt2e_module.prepare_qat_pt2e(graph, make_quantizer(options, qat=True))
 
 
 def convert(prepared):
     """A prepared graph, calibrated or fine-tuned, as its int8 graph of plain operators."""
     quantize_pt2e_module, _ = _pt2e()
-    return plain_graph(quantize_pt2e_module.convert_pt2e(prepared))
+    with converter_errors("torchao's PT2E conversion"):
+        converted = quantize_pt2e_module.convert_pt2e(prepared)
+    return plain_graph(converted)
 
 
 def plain_graph(graph):

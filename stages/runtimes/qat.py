@@ -101,7 +101,13 @@ def make_ort_qat(ctx, tuned: FineTuned) -> dict | None:
     info = {"exporter": "torch.onnx.export(dynamo=True) of torch-qat",
             "means_as_global_average_pool": pools, **completed,
             "parity_vs_torch_qat": parity}
-    ctx.register("ort-qat", path, info, fmt="onnx", op_counts=onnx_op_counts(path))
+    counts = onnx_op_counts(path)
+    if not any(c["int8"] for c in counts.values()):  # as openvino-qat: not kept, not a failure
+        path.unlink()
+        ctx.say("qat: ort-qat not kept: ONNX Runtime runs none of its convolutions or linear "
+                "layers in int8")
+        return None
+    ctx.register("ort-qat", path, info, fmt="onnx", op_counts=counts)
     return info
 
 

@@ -192,6 +192,34 @@ def test_auto_goes_on_to_qat_only_where_post_training_missed_the_budget(monkeypa
         "no post-training configuration kept within 1 point(s) of the float model on "
         "the held-out images at 95% confidence (ort-static -1.30 points at worst)")
     assert given == ["qat config"]
+    # `pipeline train qat --epochs 20 quantize --auto`: the run's QAT, made with the user's
+    # flags, had been replaced by a default one fine-tuned again.
+    qat_done = _quantized(1.3)
+    qat_done.artifacts()["torch-qat"] = {}
+    assert quantize.escalate_to_qat(qat_done, ["ort-static"], 1.0, "qat config",
+                                    quiet=False) == []
+    assert capsys.readouterr().err.endswith(
+        "; the run has its quantization-aware training already (pipeline qat)\n")
+    assert given == ["qat config"]
+
+
+def test_torchaos_refusal_to_prepare_or_convert_for_qat_is_not_made_not_the_stages(
+        monkeypatch):
+    """prepare_qat_pt2e and convert_pt2e raised torchao's own error raw: under --auto the
+    stage failed though its post-training variants were made (escalate_to_qat takes NotMade)."""
+    from stages.run.errors import NotMade
+    from stages.runtimes import pt2e
+
+    def refuses(*args, **kwargs):
+        raise RuntimeError("Input partition has more than one output node")
+
+    quantize_pt2e_module, _ = pt2e._pt2e()
+    monkeypatch.setattr(quantize_pt2e_module, "prepare_qat_pt2e", refuses)
+    monkeypatch.setattr(quantize_pt2e_module, "convert_pt2e", refuses)
+    with pytest.raises(NotMade, match="torchao's PT2E QAT preparation failed: Input partition"):
+        pt2e.prepare_qat(None, pt2e.pt2e_options(qat=True))
+    with pytest.raises(NotMade, match="torchao's PT2E conversion failed: Input partition"):
+        pt2e.convert(None)
 
 
 @pytest.mark.slow

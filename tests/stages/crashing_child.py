@@ -78,3 +78,11 @@ def qat_openvino_refusing(doing, config, run, names):
         name, reference, logits) | {"top1_agreement": 1.0}
     openvino.compile_model = refuses
     return _qat_child_with({}, doing, config, run, names)
+
+
+def qat_ort_without_int8(doing, config, run, names):
+    """ort-qat as ONNX Runtime would run it with none of its layers in int8."""
+    from stages.runtimes import qat
+
+    qat.onnx_op_counts = lambda path: {"Conv": {"int8": 0, "float": 3}}
+    return _qat_child_with({}, doing, config, run, names)

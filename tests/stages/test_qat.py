@@ -554,6 +554,19 @@ def test_a_qat_variant_its_runtime_cannot_take_costs_that_variant_not_the_stage(
     assert [n for n in ("torch-qat", "ort-qat", "openvino-qat") if n in run.artifacts()] == made
 
 
+@pytest.mark.slow  # tiny_qat_run
+def test_an_ort_qat_with_nothing_in_int8_is_not_kept_and_the_stage_goes_on(
+        tiny_qat_run, tmp_path, monkeypatch):
+    """It failed the stage (register's "nothing runs in int8", an error to report) after
+    torch-qat was listed, where openvino-qat in the same case is only not kept."""
+    from tests.conftest import _copy
+
+    run = _copy(tiny_qat_run["run"], tmp_path / "artifacts")
+    monkeypatch.setattr(qat, "CHILD", "tests.stages.crashing_child:qat_ort_without_int8")
+    assert qat.run(QatConfig(epochs=1, quiet=True), run) == ["torch-qat"]
+    assert "ort-qat" not in run.artifacts() and "torch-qat" in run.artifacts()
+
+
 @pytest.mark.slow
 def test_a_runtime_that_crashes_while_a_qat_variant_is_made_costs_that_variant(
         tiny_qat_run, tmp_path, monkeypatch):
