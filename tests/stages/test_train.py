@@ -950,3 +950,24 @@ def test_deterministic_holds_from_the_range_test_on_and_is_undone_after(tmp_path
     train.run(TrainConfig(**TINY_TRAIN | {"epochs": 1, "lr": "auto", "baseline": False,
                                          "deterministic": True}), run)
     assert seen == [True] and not torch.are_deterministic_algorithms_enabled()
+
+
+def test_a_resume_from_another_folder_reads_the_data_where_the_run_found_it(tmp_path,
+                                                                           monkeypatch):
+    """--resume takes no --data-dir: a run trained on a relative one, resumed from another
+    folder, was refused at its first check ("photos is not a folder")."""
+    from PIL import Image
+
+    for label in ("a", "b"):
+        (tmp_path / "project" / "photos" / label).mkdir(parents=True)
+        for i in range(6):
+            Image.new("RGB", (8, 8), (40 * i, 200 if label == "a" else 0, 0)).save(
+                tmp_path / "project" / "photos" / label / f"{i}.png")
+    monkeypatch.chdir(tmp_path / "project")
+    run = artifacts.create_run(tmp_path / "artifacts", "relative")
+    config = TrainConfig(**TINY_TRAIN | {"epochs": 1, "baseline": False,
+                                         "dataset": "imagefolder", "data_dir": "photos"})
+    train.run(config, run)
+    monkeypatch.chdir(tmp_path)
+    (result,) = train.run(config, run, resume=True)  # done already: read back, not trained
+    assert result.variant == "amp"
