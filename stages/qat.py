@@ -208,9 +208,10 @@ def _score(tuning: Tuning, epoch: int):
     Observers left on would fit the quantization ranges to the validation images while scoring
     them: ranges come from training images only, and the epoch kept is kept as scored."""
     graph, loop = tuning.graph, tuning.loop
-    if epoch <= tuning.plan.freeze_bn_after:  # the statistics it will be frozen with
-        batchnorm.recompute_graph(graph, tuning.calibration, tuning.config.batch_size,
-                                  loop.device)
+    with _divergence(tuning, epoch):  # weights NaN after the epoch's last step meet it here
+        if epoch <= tuning.plan.freeze_bn_after:  # the statistics it will be frozen with
+            batchnorm.recompute_graph(graph, tuning.calibration, tuning.config.batch_size,
+                                      loop.device)
     graph.eval()
     qat_runtime.observe(graph, False)
     return dataset_hits(graph, tuning.choosing, loop.device)
@@ -225,7 +226,7 @@ def _end_epoch(tuning: Tuning, epoch: int, record: dict) -> None:
         f"accuracy {record['val_accuracy']:.3f} (fake-quantized)", quiet=config.quiet)
     cut = plans.fitted_plan(config, epoch, record["seconds"])
     if cut.epochs < tuning.plan.epochs:
-        tuning.plan = cut
+        tuning.plan = cut = plans.replanned(tuning.plan, cut, epoch)
         plans.cut(tuning.loop, cut.epochs)
         say(f"qat: --tuning-time {config.tuning_time:g}s fits {cut.epochs} of "
             f"{config.epochs} epochs at {record['seconds'] / epoch:.0f} s each; BatchNorm "

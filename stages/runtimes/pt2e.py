@@ -234,8 +234,9 @@ def prepare_qat(graph, options: dict):
     """``graph`` (exported for training) with the fake quantizers of ``options``' QAT recipe:
     what quantization-aware training fine-tunes (runtimes/qat.py)."""
     quantize_pt2e_module, _ = _pt2e()
+    quantizer = make_quantizer(options, qat=True)  # ours: outside converter_errors
     with converter_errors("torchao's PT2E QAT preparation"):  # its refusal costs QAT alone
-        return quantize_pt2e_module.prepare_qat_pt2e(graph, make_quantizer(options, qat=True))
+        return quantize_pt2e_module.prepare_qat_pt2e(graph, quantizer)
 
 
 def convert(prepared):

@@ -98,3 +98,14 @@ def fitted_plan(config, done: int, seconds: float) -> Plan:
         return after if after == 0 else max(1, after * fits // config.epochs)
 
     return Plan(fits, scaled(config.freeze_bn_after), scaled(config.freeze_observers_after))
+
+
+def replanned(current: Plan, cut: Plan, done: int) -> Plan:
+    """``cut`` (fitted_plan's, after ``done`` epochs) with each freeze as it can still be: one
+    the current plan has made already stays where it was, and one still to come cannot come
+    before now (a cut to 4 epochs after 4 had recorded BatchNorm "frozen after 2", never done)."""
+    def freeze(planned: int, scaled: int) -> int:
+        return planned if planned <= done else max(done, scaled)
+
+    return Plan(cut.epochs, freeze(current.freeze_bn_after, cut.freeze_bn_after),
+                freeze(current.freeze_observers_after, cut.freeze_observers_after))

@@ -79,10 +79,3 @@ def qat_openvino_refusing(doing, config, run, names):
     openvino.compile_model = refuses
     return _qat_child_with({}, doing, config, run, names)
 
-
-def qat_ort_without_int8(doing, config, run, names):
-    """ort-qat as ONNX Runtime would run it with none of its layers in int8."""
-    from stages.runtimes import qat
-
-    qat.onnx_op_counts = lambda path: {"Conv": {"int8": 0, "float": 3}}
-    return _qat_child_with({}, doing, config, run, names)

@@ -349,6 +349,26 @@ def test_weights_that_diverge_mid_epoch_are_one_clear_error(tmp_path, monkeypatc
         qat.run(QatConfig(epochs=2, quiet=True), run)
     assert "torch-qat" not in run.artifacts()
 
+    def weights_nan_after_the_epochs_last_step(parts, *args):  # then scored: an observer
+        real_step(parts, *args)  # asserted in the BatchNorm statistics' pass, raw
+        if args[-1] == parts.steps_per_epoch - 1:
+            with torch.no_grad():
+                next(parts.model.parameters()).fill_(float("nan"))
+
+    monkeypatch.setattr(training_loop, "train_step", weights_nan_after_the_epochs_last_step)
+    with pytest.raises(Diverged, match=r"^qat: the fake-quantized model diverged at epoch 1 "):
+        qat.run(QatConfig(epochs=2, quiet=True), run)
+
+
+def test_a_cut_plan_records_each_freeze_where_it_can_still_be():
+    """Cut to 4 epochs after 4 (10, 10, 10, then 70 s of 100), the plan had recorded BatchNorm
+    and the ranges "frozen after 2", which no epoch was."""
+    from stages.training.plans import Plan, replanned
+
+    assert replanned(Plan(10, 5, 7), Plan(4, 2, 2), done=4) == Plan(4, 4, 4)
+    assert replanned(Plan(10, 5, 7), Plan(6, 3, 4), done=2) == Plan(6, 3, 4)  # both to come
+    assert replanned(Plan(10, 2, 7), Plan(6, 1, 4), done=3) == Plan(6, 2, 4)  # BN's was made
+
 
 def test_tuning_time_cuts_the_epochs_to_what_fits_and_scales_the_freezes_alike():
     from stages.training.plans import Plan, fitted_plan
@@ -559,11 +579,16 @@ def test_an_ort_qat_with_nothing_in_int8_is_not_kept_and_the_stage_goes_on(
         tiny_qat_run, tmp_path, monkeypatch):
     """It failed the stage (register's "nothing runs in int8", an error to report) after
     torch-qat was listed, where openvino-qat in the same case is only not kept."""
+    from stages.runtimes import qat as qat_runtime
     from tests.conftest import _copy
 
     run = _copy(tiny_qat_run["run"], tmp_path / "artifacts")
-    monkeypatch.setattr(qat, "CHILD", "tests.stages.crashing_child:qat_ort_without_int8")
-    assert qat.run(QatConfig(epochs=1, quiet=True), run) == ["torch-qat"]
+    run.unregister("openvino-qat")
+    run.unregister("ort-qat")
+    monkeypatch.setattr(qat_runtime, "onnx_op_counts",
+                        lambda path: {"Conv": {"int8": 0, "float": 3}})
+    # The child's work, here: ort-qat made from the run's torch-qat, without fine-tuning again.
+    assert qat._make_in_child(lambda _: None, QatConfig(quiet=True), run, ["ort-qat"]) == []
     assert "ort-qat" not in run.artifacts() and "torch-qat" in run.artifacts()
 
 
