@@ -337,9 +337,8 @@ def _set_up(config, run: Run, resume: bool) -> tuple:
         device = torch.device("cuda", world.local_rank)
     # Rank 0's reading: a rank that read the file apart could see another record.
     saved = distributed.broadcast(run.recorded_config("train")) if resume else {}
-    found_at = saved.get("data", {}).get("data_dir")  # where the run read it (load_splits)
-    if found_at and Path(found_at).is_dir():  # a resume from another folder: not --data-dir's
-        config = replace(config, data_dir=found_at)
+    found_at = saved.get("data", {}).get("data_dir")  # where it read its data, whatever cwd
+    config = replace(config, data_dir=found_at) if found_at and Path(found_at).is_dir() else config
     # Rank 0's answer: ranks on CPUs of two kinds would otherwise train different variants.
     precision = Precision(saved["resolved_precision"]) if "resolved_precision" in saved \
         else Precision(distributed.broadcast(resolve_precision(config.precision, device).name))

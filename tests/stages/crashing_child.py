@@ -78,4 +78,3 @@ def qat_openvino_refusing(doing, config, run, names):
         name, reference, logits) | {"top1_agreement": 1.0}
     openvino.compile_model = refuses
     return _qat_child_with({}, doing, config, run, names)
-
