@@ -41,8 +41,8 @@ class DataSplits:
     in_channels: int
     image_size: int
     skipped_images: int = 0
-    # Those files, relative to --data-dir: a later stage drops them again without decoding
-    # every file to find them (an image folder of 100,000 photos takes minutes).
+    # Those files, relative to --data-dir: a later stage (and each child process it starts)
+    # drops them again without decoding every file of the folder to find them.
     skipped_files: tuple[str, ...] = ()
     data_dir: str | None = None  # the folder read, absolute (None: data shipped with us)
     test_fraction: float | None = None  # the test share one image folder was split with

@@ -80,7 +80,7 @@ def test_corrupt_images_are_named_or_skipped_and_counted(tmp_path):
 def test_a_later_stage_drops_the_files_training_skipped_without_decoding_every_file(
         tmp_path, monkeypatch):
     """quantize and report split the folder again and had decoded every file of it to find
-    the unreadable ones (minutes for 100,000 photos); the run now names them."""
+    the unreadable ones, in each of their child processes too; the run now names them."""
     from stages.data import torchvision_sets
     from stages.data.datasets import load_splits
 
