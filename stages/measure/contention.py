@@ -166,14 +166,24 @@ def judge(timings: dict[str, Timing], usage: dict, allowed_others: float) -> dic
     never_idle = sorted(name for name, t in timings.items()
                         if t.idle_waits and max(t.idle_waits) >= IDLE_MAX_WAIT)
     others = usage["others_cores"]
-    busy = others is not None and others > allowed_others
+    # Without the load of others (no /proc/stat line for these CPUs) busy is unknown, not no:
+    # a session otherwise undisturbed is then neither clean nor not clean, but None.
+    busy = None if others is None else others > allowed_others
+    disturbed = bool(busy) or bool(unstable) or bool(never_idle)
     return usage | {"busy": busy, "unstable": unstable, "never_idle": never_idle,
-                    "clean": not busy and not unstable and not never_idle}
+                    "clean": False if disturbed else None if busy is None else True}
+
+
+def all_clean(values: Iterable[bool | None]) -> bool | None:
+    """Three-valued "and" of sessions' ``clean``: False where any was disturbed, else None
+    where any is unknown, else True."""
+    values = list(values)
+    return False if False in values else None if None in values else True
 
 
 def _disturbance(conditions: dict) -> tuple:
-    return (conditions["busy"], len(conditions["unstable"]) + len(conditions["never_idle"]),
-            conditions["others_cores"] or 0.0)
+    return (bool(conditions["busy"]), len(conditions["unstable"])
+            + len(conditions["never_idle"]), conditions["others_cores"] or 0.0)
 
 
 class Watch:
@@ -207,7 +217,7 @@ class Watch:
         return timings
 
     def record(self) -> dict:
-        return {"clean": all(s["clean"] for s in self.sessions), "cpus": len(self.meter.cpus),
+        return {"clean": all_clean(s["clean"] for s in self.sessions), "cpus": len(self.meter.cpus),
                 "threads": self.threads, "spare_cpus": self.spare,
                 "others_cores_limit": self.allowed_others,
                 "round_spread_limit": ROUND_SPREAD_LIMIT, "retries": self.retries,
@@ -223,7 +233,8 @@ def mark_verdict(verdict: dict, record: dict, device: str) -> dict:
     sessions = sessions_of(record, device)
     for size, choice in verdict["per_batch_size"].items():
         choice["timing_clean"] = sessions[size]["clean"]
-    verdict["timing_clean"] = all(c["timing_clean"] for c in verdict["per_batch_size"].values())
+    verdict["timing_clean"] = all_clean(c["timing_clean"]
+                                        for c in verdict["per_batch_size"].values())
     return verdict
 
 
@@ -261,4 +272,4 @@ def warnings(record: dict | None) -> list[str]:
     return [describe(s, record) + " These latencies and speed-ups are not clean figures" + (
         ": run 'pipeline report' again on a quiet machine." if s["busy"] or s["unstable"] else
         ": they may include that work.")
-            for s in record["sessions"] if not s["clean"]]
+            for s in record["sessions"] if s["clean"] is False]

@@ -157,7 +157,8 @@ def _verdicts(rows: list[dict], reference: str, config, conditions: dict,
     budget = config.max_accuracy_drop
     on_gpu = None
     if gpu_rows:
-        on_gpu = gpu_verdict(gpu_rows, device_reference(rows, reference, "cuda"), budget)
+        on_gpu = gpu_verdict(gpu_rows, device_reference(rows, reference, "cuda"), budget,
+                             reference)
         if on_gpu["recommended"]:
             on_gpu = contention.mark_verdict(on_gpu, conditions, "cuda") | {"device": "cuda"}
     return contention.mark_verdict(verdict(on_device(rows, "cpu"), reference, budget),
@@ -217,7 +218,10 @@ def summary_table(report: dict) -> str:
                         if v.get("speedup_vs_best_fp32") and v["speedup_vs_best_fp32"]
                         != v["speedup_vs_best_float"] else "") +
                      f"{v['size_ratio']:.2f}x the size, {v['accuracy_change_points']:+.2f} "
-                     "points on the test split)")
+                     "points on the test split" + (
+                         f" against {v['accuracy_reference']}"
+                         if v.get("accuracy_reference", v["reference"]) != v["reference"]
+                         else "") + ")")
     note = report["environment"].get("gpu_note")
     lines += [note] if note and not report["verdict"].get("gpu") else []
     return "\n".join(lines + contention.warnings(report.get("timing_conditions")))

@@ -194,9 +194,12 @@ def amx_warnings(rows: list[dict], size: str) -> list[str]:
         if cap:
             below = row["below_amx"]
             ratio = below["amx_speedup"][size]
+            unclean = ("the machine was busy in one of the two timings"
+                       if below.get("timing_clean") is False else "whether the machine was "
+                       "quiet in both timings is unknown (its load could not be read)")
             export = ("'pipeline export' sets the variable in its folder's predict.py."
-                      if cap_that_pays(row, size) else "the machine was busy in one of the two "
-                      "timings, so 'pipeline export' does not set the variable on this figure.")
+                      if cap_that_pays(row, size) else f"{unclean}, so 'pipeline export' does "
+                      "not set the variable on this figure.")
             found.append(
                 f"{row['name']} ran {1 / ratio['ratio']:.2f}x ({1 / ratio['high']:.2f}–"
                 f"{1 / ratio['low']:.2f}) faster with oneDNN capped below AMX "

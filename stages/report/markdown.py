@@ -8,7 +8,7 @@ from stages.quantization import tuning
 from stages.report import profile
 from stages.report.diagnosis import depthwise_in_float_why
 from stages.report.judging import BASELINE_WORDS, SELECTION_WORDS, VALIDATION_WORDS
-from stages.runtimes.gpu import REFERENCE as GPU_REFERENCE
+from stages.report.recommendation import device_reference, on_device
 
 
 def _ratio(r: dict) -> str:
@@ -87,7 +87,11 @@ def _timing_caveat(record: dict | None) -> list[str]:
     never presented as clean."""
     if not record or record["clean"]:
         return []
-    disturbed = [s for s in record["sessions"] if not s["clean"]]
+    if record["clean"] is None:
+        return ["**Whether the machine was quiet while timing is unknown:** the load of other "
+                "processes could not be read (no /proc/stat line for these CPUs). The rounds "
+                "were steady, but a steady load beside them would go unnoticed.", ""]
+    disturbed = [s for s in record["sessions"] if s["clean"] is False]
     busy, unsteady = (any(s[key] for s in disturbed) for key in ("busy", "unstable"))
     title = ("Timed on a busy machine" if busy else "Timed in unsteady rounds" if unsteady
              else "Timed beside this process's own busy threads")  # a quieter machine won't do
@@ -104,7 +108,8 @@ def _quiet_sentence(record: dict | None) -> str:
     if not measured:
         return (" The load of other processes could not be read (no /proc/stat line for these "
                 "CPUs), so a busy machine would go unnoticed.") if sessions else ""
-    state = "clean" if record["clean"] else "not clean, as the verdict says"
+    state = {True: "clean", False: "not clean, as the verdict says",
+             None: "unknown where the load could not be read"}[record["clean"]]
     return (f" Other processes used at most {max(measured):.2f} cores on average while a batch "
             f"size was timed (from /proc/stat; over {record['others_cores_limit']:.2f} a "
             f"batch size is timed again, at most {record['retries']} more time(s)): {state}.")
@@ -126,7 +131,8 @@ def _models_table(report: dict) -> list[str]:
     big = sizes[-1]
     head = ["variant", "device", "runs as", "size (MB)", f"size vs `{ref}`"]
     head += [f"p50 / p90 ms (batch {b})" for b in sizes]
-    gpu = f" (GPU rows: `{GPU_REFERENCE}`)" if any(r.get("device") == "cuda" for r in rows) else ""
+    gpu_rows = on_device(rows, "cuda")  # against their own reference, which may have crashed
+    gpu = f" (GPU rows: `{device_reference(rows, ref, 'cuda')}`)" if gpu_rows else ""
     head += [f"vs `{ref}`{gpu} eager (batch {big})",
              f"vs fastest float on its device (batch {big})",
              "held-out accuracy (images)", "test accuracy (95% CI)",
@@ -154,17 +160,21 @@ def _models_table(report: dict) -> list[str]:
             [f"`{c['name']}`", "", f"crashed: {c['signal']} in {c['runtime']} while "
              f"{c['phase']}{at} (oneDNN {c['onednn_max_cpu_isa']})"] + ["-"] * (len(head) - 3))
             + " |")
-    timing = report["models"][0]["latency_ms"][big]
-    calls = [r["latency_ms"][big]["calls"] for r in rows]
-    waited = max(r["latency_ms"][b].get("idle_wait_ms_max", 0.0) for r in rows for b in sizes)
+    cpu_rows = on_device(rows, "cpu")  # the GPU rows are timed in sessions of their own
+    timing = cpu_rows[0]["latency_ms"][big]
+    calls = [r["latency_ms"][big]["calls"] for r in cpu_rows]
+    waited = max(r["latency_ms"][big].get("idle_wait_ms_max", 0.0) for r in cpu_rows)
+    on_gpu = (f", the GPU rows' in {gpu_rows[0]['latency_ms'][big]['rounds']} rounds of "
+              "their own" if gpu_rows else "")
     lines += ["", f"Speed-ups are ratios of p50 latencies measured in the same "
-              f"{timing['rounds']} rounds at batch {big} (the order rotated each round, garbage "
-              f"collection off, each variant's calls filling about 50 ms a round: {min(calls)} "
-              f"to {max(calls)} calls in all; each variant timed only once no other thread of "
-              f"the process used the CPU, after a wait of at most {waited:.0f} ms), with 95% "
-              "bootstrap intervals over the rounds. Accuracy: top-1 on the test split, Wilson "
-              f"intervals; the change against `{ref}` uses Newcombe's paired interval on the "
-              "same images." + _quiet_sentence(report.get("timing_conditions")), ""]
+              f"{timing['rounds']} rounds at batch {big}{on_gpu} (the order rotated each round, "
+              "garbage collection off, each variant's calls filling about 50 ms a round: "
+              f"{min(calls)} to {max(calls)} calls in all; each variant timed only once no "
+              "other thread of the process used the CPU, after a wait of at most "
+              f"{waited:.0f} ms), with 95% bootstrap intervals over the rounds. Accuracy: top-1 "
+              f"on the test split, Wilson intervals; the change against `{ref}` uses Newcombe's "
+              "paired interval on the same images."
+              + _quiet_sentence(report.get("timing_conditions")), ""]
     return lines
 
 

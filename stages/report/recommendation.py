@@ -48,8 +48,10 @@ def speedups(rows: list[dict], reference: str, budget_points: float) -> None:
             floats = [r for r in group if not r["int8"]]
             servable = [r for r in floats if worst_accuracy_drop(r) <= budget_points + 1e-9]
             best_float = fastest(servable or floats)
-            best_fp32 = fastest(r for r in servable or floats
-                                if r.get("precision", "fp32") == "fp32")
+            # Alike, on its own: bf16 rows alone within the budget still leave an fp32 to
+            # compare with (the fastest of all of them), not none.
+            fp32s = [r for r in floats if r.get("precision", "fp32") == "fp32"]
+            best_fp32 = fastest([r for r in fp32s if r in servable] or fp32s)
             for row in group:
                 row.setdefault("speedup_vs_reference", {})[size] = faster(own_reference, row,
                                                                           size)
@@ -81,11 +83,13 @@ def worst_accuracy_drop(row: dict) -> float:
     return -row["validation"]["change_vs_reference"]["worst"] * 100
 
 
-def verdict(rows: list[dict], reference: str, budget_points: float) -> dict:
+def verdict(rows: list[dict], reference: str, budget_points: float,
+            accuracy_reference: str | None = None) -> dict:
     """Per batch size, the fastest variant within the accuracy budget on the held-out images
     at 95% confidence; the recommendation is the one for the largest batch size. Ranked by
     speed-up against the fastest float variant; 'within noise' names variants whose speed
-    cannot be told apart."""
+    cannot be told apart. Speed and size are against ``reference``, accuracy against
+    ``accuracy_reference`` (the rows' change_vs_reference: the CPU's, for the GPU rows)."""
     by_name = {row["name"]: row for row in rows}
     within = [r for r in rows if worst_accuracy_drop(r) <= budget_points + 1e-9]
     sizes = list(rows[0]["latency_ms"])
@@ -119,19 +123,22 @@ def verdict(rows: list[dict], reference: str, budget_points: float) -> dict:
             "accuracy_change_points": test_change["difference"] * 100,
             "accuracy_change_ci95_points": [test_change["low"] * 100, test_change["high"] * 100],
             "test_accuracy": best["test"]["accuracy"],
-            "max_accuracy_drop_points": budget_points, "reference": reference}
+            "max_accuracy_drop_points": budget_points, "reference": reference,
+            "accuracy_reference": accuracy_reference or reference}
 
 
-def gpu_verdict(gpu_rows: list[dict], reference: str, budget_points: float) -> dict:
-    """The GPU rows' own verdict. Their accuracy is judged against the CPU's reference, so none
-    may keep within the budget (a flip or two of TF32 or bf16 under --max-accuracy-drop 0):
-    then no recommendation, and why, where verdict() would have had no row to rank."""
+def gpu_verdict(gpu_rows: list[dict], reference: str, budget_points: float,
+                accuracy_reference: str) -> dict:
+    """The GPU rows' own verdict, their speed against ``reference`` (a GPU row). Their accuracy
+    is judged against the CPU's ``accuracy_reference``, so none may keep within the budget (a
+    flip or two of TF32 or bf16 under --max-accuracy-drop 0): then no recommendation, and why,
+    where verdict() would have had no row to rank."""
     within = [r for r in gpu_rows if worst_accuracy_drop(r) <= budget_points + 1e-9]
     if not within:
         return {"recommended": None, "device": "cuda",
                 "why": f"no GPU row kept within {budget_points:g} point(s) of the CPU's "
                        "reference on the held-out images at 95% confidence"}
-    return verdict(gpu_rows, reference, budget_points) | {"device": "cuda"}
+    return verdict(gpu_rows, reference, budget_points, accuracy_reference) | {"device": "cuda"}
 
 
 def check_gates(config, v: dict, folder) -> None:

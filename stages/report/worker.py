@@ -138,9 +138,9 @@ def time_below_amx(run: Run, config, threads: int, rows: list[dict],
             faster[size] = timing.speedup(capped, with_amx, paired=False)  # two sessions
         row["below_amx"] = {"onednn_max_cpu_isa": isa["onednn_max_cpu_isa"],
                             "latency_ms": latency, "amx_speedup": faster,
-                            "timing_clean": conditions["clean"] and all(
+                            "timing_clean": contention.all_clean([conditions["clean"]] + [
                                 session["clean"] for size, session in contention.sessions_of(
-                                    timed_with_amx, "cpu").items() if size in timings)}
+                                    timed_with_amx, "cpu").items() if size in timings])}
     return []
 
 

@@ -134,6 +134,18 @@ def test_the_fastest_float_is_one_within_the_accuracy_budget():
     choice = v["per_batch_size"]["32"]
     assert (v["recommended"], choice["best_float"]) == ("openvino-int8", "onnx-fp32")
     assert v["speedup_vs_best_float"] == pytest.approx(2.0)
+    # The reference bf16 amp alone within the budget: the fastest fp32 is still named, the
+    # fastest of all fp32 rows, alike (it had been none, and the fp32 figure left out).
+    rows = [_row("amp", [10.0] * 6, 0.0, int8=False) | {"precision": "bf16"},
+            _row("fp32", [8.0] * 6, 2.0, int8=False) | {"precision": "fp32"},
+            _row("onnx-fp32", [5.0] * 6, 2.0, int8=False) | {"precision": "fp32"},
+            _row("openvino-int8", [2.5] * 6, 0.0) | {"precision": "int8"}]
+    recommendation.speedups(rows, "amp", budget_points=1.0)
+    v = recommendation.verdict(rows, "amp", budget_points=1.0)
+    choice = v["per_batch_size"]["32"]
+    assert (choice["best_float"], choice["speedup_vs_best_fp32"]["best_fp32"]) == (
+        "amp", "onnx-fp32")
+    assert v["speedup_vs_best_fp32"] == pytest.approx(2.0)
 
 
 def test_where_validation_and_test_disagree_validation_decides():
@@ -573,7 +585,10 @@ def test_gpu_rows_are_set_apart_from_cpu_rows_in_the_verdict_and_the_markdown(ti
     conditions["sessions"] += [s | {"device": "cuda"} for s in conditions["sessions"]]
     data["verdict"] = _verdicts(rows, "fp32", ReportConfig(), conditions, gpu_rows)
     assert data["verdict"]["device"] == "cpu" and data["verdict"]["gpu"]["device"] == "cuda"
+    # Speed against fp32@cuda; accuracy, as every GPU row's, against the CPU's reference.
     assert data["verdict"]["gpu"]["reference"] == "fp32@cuda"
+    assert data["verdict"]["gpu"]["accuracy_reference"] == "fp32"
+    assert data["verdict"]["accuracy_reference"] == "fp32"
     data["models"] = rows
     data["environment"] |= {"gpu": "NVIDIA H200", "gpu_rows": True, "gpu_note": ""}
     assert data["verdict"]["recommended"] == before
@@ -581,17 +596,28 @@ def test_gpu_rows_are_set_apart_from_cpu_rows_in_the_verdict_and_the_markdown(ti
     text = markdown(data)
     assert "| `amp@cuda` | CUDA | eager PyTorch on CUDA |" in text
     assert "| `fp32` | CPU |" in text
+    assert "rounds at batch 32, the GPU rows' in 5 rounds of their own (" in text
+    # fp32@cuda crashed: the GPU rows' ratios are against the first GPU row, and so says the
+    # header (it had named fp32@cuda whatever they were against).
+    from stages.report.markdown import _models_table
+
+    crashed = copy.deepcopy(data)
+    crashed["models"] = [r for r in rows if r["name"] != "fp32@cuda"]
+    assert "(GPU rows: `amp@cuda`) eager" in _models_table(crashed)[2]
     assert ("**On the GPU** (NVIDIA H200), for batches of 32: `amp@cuda`, 1.50x (1.50–1.50) "
             "faster than `fp32@cuda`") in text
     # amp@cuda is the fastest float: "1.00x the fastest float (within noise)" had compared
     # it with itself.
+    summary = report.summary_table(data)
     assert ("recommended on the CUDA: amp@cuda (1.50x fp32@cuda's speed, it is the fastest "
-            "float, ") in report.summary_table(data)
+            "float, ") in summary
+    assert "points on the test split against fp32)" in summary
+    assert "points on the test split)" in summary  # the CPU's line: its own reference
     # Judged against the CPU's reference, no GPU row may keep within the budget: no GPU
     # recommendation, and why, where verdict() had raised an IndexError after all the measuring.
     for row in gpu_rows:
         row["validation"]["change_vs_reference"]["worst"] = -0.02
-    data["verdict"]["gpu"] = recommendation.gpu_verdict(gpu_rows, "fp32@cuda", 1.0)
+    data["verdict"]["gpu"] = recommendation.gpu_verdict(gpu_rows, "fp32@cuda", 1.0, "fp32")
     assert ("**On the GPU** (NVIDIA H200): no recommendation: no GPU row kept within 1 point(s) "
             "of the CPU's reference on the held-out images at 95% confidence.") in markdown(data)
     assert "recommended on the CUDA" not in report.summary_table(data)
@@ -877,6 +903,13 @@ def test_the_speedup_below_amx_takes_every_round_of_both_sessions_and_their_cond
     [warning] = diagnosis.amx_warnings(rows, "32")  # said, but not written into an export
     assert warning.endswith("the machine was busy in one of the two timings, so 'pipeline "
                             "export' does not set the variable on this figure.")
+    with_amx["sessions"][0]["clean"] = None  # the load of others unread: unknown, not clean
+    worker.time_below_amx(None, ReportConfig(**TINY_REPORT), 2, rows, with_amx)
+    rows[0]["below_amx"]["amx_speedup"]["32"] = {"ratio": 0.8, "low": 0.75, "high": 0.9}
+    assert rows[0]["below_amx"]["timing_clean"] is None
+    assert recommendation.cap_that_pays(rows[0], "32") is None
+    [warning] = diagnosis.amx_warnings(rows, "32")
+    assert "whether the machine was quiet in both timings is unknown" in warning
 
 
 def test_a_variant_faster_below_amx_is_timed_there_and_said_with_both_figures(tiny_run,

@@ -183,20 +183,39 @@ def test_proc_stat_counts_busy_and_stolen_time_on_the_cpus_given(tmp_path):
     assert contention.proc_stat_seconds([0, 5], path=str(stat)) is None
 
 
-def test_without_proc_stat_the_spread_alone_is_judged():
-    box = Box()
+def test_without_proc_stat_clean_is_unknown_and_the_spread_alone_is_judged():
+    """Without /proc/stat's lines for these CPUs a steady load beside the rounds would go
+    unseen: clean is unknown (None) for the session, the record and the verdict, never true,
+    and report.md says so; unsteady rounds still make it false."""
+    box = Box(others=[(0.0, 100.0, 1.0)])  # a busy core, unseen
     meter = contention.Meter(cpus=[0, 1], stat=lambda cpus: None, own=lambda: box.own_cpu,
                              clock=lambda: box.now, sleep=lambda s: box.run(s, 0.0),
                              load=lambda: None)
     watch = contention.Watch(threads=2, meter=meter)
     watch.time("cpu", 1, _session(box))
-    [session] = watch.record()["sessions"]
-    assert session["others_cores"] is None and not session["busy"] and session["clean"]
-    from stages.report.markdown import _quiet_sentence
+    record = watch.record()
+    [session] = record["sessions"]
+    assert session["others_cores"] is None and session["busy"] is None
+    assert session["clean"] is None and record["clean"] is None and session["tries"] == 1
+    assert contention.warnings(record) == []
+    verdict = contention.mark_verdict({"per_batch_size": {"1": {}}}, record, "cpu")
+    assert verdict["timing_clean"] is None
+    assert verdict["per_batch_size"]["1"]["timing_clean"] is None
+    assert contention.all_clean([None, False, True]) is False
+    assert contention.all_clean([True, True]) is True
+    from stages.report.markdown import _quiet_sentence, _timing_caveat
 
-    assert _quiet_sentence(watch.record()) == (
+    assert _quiet_sentence(record) == (
         " The load of other processes could not be read (no /proc/stat line for these CPUs), so "
         "a busy machine would go unnoticed.")
+    [caveat, _] = _timing_caveat(record)
+    assert caveat.startswith("**Whether the machine was quiet while timing is unknown:**")
+
+    spread = timing.Timing([[0.002] * 5, [0.006] * 5] * 3)
+    unsteady = contention.Watch(threads=2, meter=meter)
+    unsteady.time("cpu", 1, _session(box, results=[{"fp32": spread}] * 2))
+    assert unsteady.record()["sessions"][0]["clean"] is False
+    assert unsteady.record()["clean"] is False
 
 
 def test_a_variant_timed_while_its_process_never_went_idle_is_not_clean():
