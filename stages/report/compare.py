@@ -18,8 +18,10 @@ def compare_markdown(runs: list[Run]) -> tuple[dict, str]:
             raise UsageError(f"run {other.name!r} has no report yet; run 'pipeline --run "
                              f"{other.name} report' first") from None
         table[other.name] = json.loads(path.read_text())
-    names = [v for v in runtimes.VARIANTS if any(v in {m["name"] for m in r["models"]}
-                                                 for r in table.values())]
+    present = [m["name"] for r in table.values() for m in r["models"]]
+    # The fixed variants in their order, then the rows of other devices (`amp@cuda`).
+    names = [v for v in runtimes.VARIANTS if v in present]
+    names += [n for n in dict.fromkeys(present) if n not in names]
     lines = ["# Runs side by side", "", "| variant | " + " | ".join(f"`{n}`" for n in table) + " |",
              "|" + "---|" * (len(table) + 1)]
     for variant in names:
@@ -31,13 +33,13 @@ def compare_markdown(runs: list[Run]) -> tuple[dict, str]:
                          f"{row['accuracy']:.2%}, {row['size_bytes'] / 1e6:.2f} MB, "
                          f"{row['latency_ms'][big]['p50']:.2f} ms @{big}")
         lines.append(f"| `{variant}` | " + " | ".join(cells) + " |")
-    lines += ["", "| run | recommended | vs reference | vs fastest float | size ratio | "
-              "test change (points) |", "|---|---|---|---|---|---|"]
+    lines += ["", "| run | recommended | at batch | vs reference | vs fastest float | size ratio | "
+              "test change (points) |", "|---|---|---|---|---|---|---|"]
     for name, data in table.items():
         v = data["verdict"]
-        lines.append(f"| `{name}` | `{v['recommended']}` | {v['speedup']:.2f}x | "
-                     f"{v['speedup_vs_best_float']:.2f}x | {v['size_ratio']:.2f}x | "
-                     f"{v['accuracy_change_points']:+.2f} |")
+        lines.append(f"| `{name}` | `{v['recommended']}` | {v['batch_size']} | "
+                     f"{v['speedup']:.2f}x | {v['speedup_vs_best_float']:.2f}x | "
+                     f"{v['size_ratio']:.2f}x | {v['accuracy_change_points']:+.2f} |")
     lines += ["", "Each run's numbers come from its own report, measured when that report ran."]
     summary = {name: {"verdict": d["verdict"], "models": d["models"],
                       "environment": d["environment"]} for name, d in table.items()}

@@ -6,7 +6,13 @@ from __future__ import annotations
 from stages.measure.evaluate import PARITY_MIN_AGREEMENT
 from stages.report import profile
 from stages.report.measuring import BELOW_AMX_PHASE
-from stages.report.recommendation import accuracy_drop, cap_that_pays, worst_accuracy_drop
+from stages.report.recommendation import (
+    accuracy_drop,
+    beside,
+    cap_that_pays,
+    within_budget,
+    worst_accuracy_drop,
+)
 
 NO_VNNI = ("this CPU has no VNNI, so int8 kernels multiply through 16-bit steps that saturate "
            "(oneDNN's 'Nuances of int8 computations') and run little faster than float ones; "
@@ -145,8 +151,9 @@ def warnings_for(rows: list[dict], reference: str, budget_points: float,
                              f" {diagnose_slow(row, vnni, _lost(profiles, row['name'], size))}."
                              + (_measured_time(profiles, row["name"], size) or _fitted_costs(
                                  row, by_name[ratio["best_float"]], size)))
-        if worst_accuracy_drop(row) > budget_points:
-            found.append(f"{row['name']} may lose up to {worst_accuracy_drop(row):.2f} points of "
+        if not within_budget(row, budget_points):
+            found.append(f"{row['name']} may lose up to "
+                         f"{beside(worst_accuracy_drop(row), budget_points)} points of "
                          f"held-out accuracy against {reference} at 95% confidence (measured: "
                          f"{-accuracy_drop(row):+.2f}), more than the budget of {budget_points:g}.")
     baseline = by_name.get("fp32")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.report.recommendation import worst_accuracy_drop
+from stages.report.recommendation import within_budget
 from stages.run.files import atomic_path
 
 RUNTIME_COLOURS = {"pytorch": "tab:blue", "onnx": "tab:orange", "openvino": "tab:green"}
@@ -103,7 +103,7 @@ def speedup_styles(rows: list[dict], size: str, budget_points: float) -> list[di
     for row in rows:
         x = row["speedup_vs_best_float"][size]
         colour = "tab:green" if x["low"] > 1 else "tab:red" if x["high"] < 1 else "tab:gray"
-        beyond = worst_accuracy_drop(row) > budget_points + 1e-9
+        beyond = not within_budget(row, budget_points)
         styles.append({"edgecolor": colour, "facecolor": "white" if beyond else colour,
                        "hatch": "///" if beyond else ""})
     return styles

@@ -46,7 +46,7 @@ def speedups(rows: list[dict], reference: str, budget_points: float) -> None:
             fastest = functools.partial(min, key=lambda r: r["latency_ms"][size]["p50"],
                                         default=None)
             floats = [r for r in group if not r["int8"]]
-            servable = [r for r in floats if worst_accuracy_drop(r) <= budget_points + 1e-9]
+            servable = [r for r in floats if within_budget(r, budget_points)]
             best_float = fastest(servable or floats)
             # Alike, on its own: bf16 rows alone within the budget still leave an fp32 to
             # compare with (the fastest of all of them), not none.
@@ -83,6 +83,19 @@ def worst_accuracy_drop(row: dict) -> float:
     return -row["validation"]["change_vs_reference"]["worst"] * 100
 
 
+def within_budget(row: dict, budget_points: float) -> bool:
+    """The accuracy budget as the verdict holds it: the worst drop at 95%, rounding aside."""
+    return worst_accuracy_drop(row) <= budget_points + 1e-9
+
+
+def beside(value: float, limit: float, digits: int = 2) -> str:
+    """``value`` to ``digits`` decimals, or to as many more as tell it from ``limit`` (a drop of
+    1.004 points "more than the budget of 1" had read 1.00)."""
+    while round(value, digits) == round(limit, digits) and value != limit and digits < 6:
+        digits += 1
+    return f"{value:.{digits}f}"
+
+
 def verdict(rows: list[dict], reference: str, budget_points: float,
             accuracy_reference: str | None = None) -> dict:
     """Per batch size, the fastest variant within the accuracy budget on the held-out images
@@ -91,7 +104,7 @@ def verdict(rows: list[dict], reference: str, budget_points: float,
     cannot be told apart. Speed and size are against ``reference``, accuracy against
     ``accuracy_reference`` (the rows' change_vs_reference: the CPU's, for the GPU rows)."""
     by_name = {row["name"]: row for row in rows}
-    within = [r for r in rows if worst_accuracy_drop(r) <= budget_points + 1e-9]
+    within = [r for r in rows if within_budget(r, budget_points)]
     sizes = list(rows[0]["latency_ms"])
     per_batch = {}
     for size in sizes:
@@ -133,7 +146,7 @@ def gpu_verdict(gpu_rows: list[dict], reference: str, budget_points: float,
     is judged against the CPU's ``accuracy_reference``, so none may keep within the budget (a
     flip or two of TF32 or bf16 under --max-accuracy-drop 0): then no recommendation, and why,
     where verdict() would have had no row to rank."""
-    within = [r for r in gpu_rows if worst_accuracy_drop(r) <= budget_points + 1e-9]
+    within = [r for r in gpu_rows if within_budget(r, budget_points)]
     if not within:
         return {"recommended": None, "device": "cuda",
                 "why": f"no GPU row kept within {budget_points:g} point(s) of the CPU's "
@@ -152,6 +165,7 @@ def check_gates(config, v: dict, folder) -> None:
               f"budget, {best_float},"))
     for flag, gate, ratio, against in gates:
         if gate and ratio < gate:
-            raise PipelineError(f"the recommended variant {v['recommended']} is {ratio:.2f}x as "
+            raise PipelineError(f"the recommended variant {v['recommended']} is "
+                                f"{beside(ratio, gate)}x as "
                                 f"fast as {against} at batch {v['batch_size']}, under {flag} "
                                 f"{gate:g} (report written to {folder})")

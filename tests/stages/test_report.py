@@ -148,6 +148,50 @@ def test_the_fastest_float_is_one_within_the_accuracy_budget():
     assert v["speedup_vs_best_fp32"] == pytest.approx(2.0)
 
 
+def test_a_figure_just_past_its_limit_is_printed_with_the_digits_that_tell_them_apart():
+    """A worst drop of 1.004 points "more than the budget of 1" had read 1.00; a speed-up of
+    1.1996x "under --fail-under-speedup 1.2" had read 1.20x. At the budget itself, to the
+    rounding, a variant is within it: no warning, as the verdict keeps it."""
+    rows = [_row("fp32", [10.0] * 6, 0.0, int8=False),
+            _row("ort-static", [2.0] * 6, 0.5, worst_drop=1.004)]
+    recommendation.speedups(rows, "fp32", 1.0)
+    [warning] = diagnosis.warnings_for(rows, "fp32", 1.0, {})
+    assert "may lose up to 1.004 points" in warning
+    rows[1]["validation"]["change_vs_reference"]["worst"] = -(1 + 1e-12) / 100
+    assert diagnosis.warnings_for(rows, "fp32", 1.0, {}) == []
+    assert recommendation.beside(1.5, 1.0) == "1.50"
+    gate = type("Config", (), {"fail_under_speedup": 1.2, "fail_under_float_speedup": None})
+    v = {"recommended": "ort-static", "batch_size": 32, "speedup": 1.1996,
+         "speedup_vs_best_float": 1.1996, "reference": "fp32",
+         "per_batch_size": {"32": {"best_float": "fp32"}}}
+    with pytest.raises(recommendation.PipelineError, match=r"is 1\.1996x as fast as fp32"):
+        recommendation.check_gates(gate, v, "out")
+
+
+def test_compare_lists_the_gpu_rows_and_the_batch_size_each_verdict_is_at(tmp_path):
+    """compare.json kept the GPU rows that compare.md dropped (not fixed variant names), and
+    runs timed at other largest batch sizes were set side by side without saying so."""
+    from stages.report.compare import compare_markdown
+
+    def run(name, batch, models):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({
+            "config": {"batch_sizes": [1, batch]}, "environment": {},
+            "models": [{"name": m, "accuracy": 0.9, "size_bytes": 1e6,
+                        "latency_ms": {str(batch): {"p50": 2.0}}} for m in models],
+            "verdict": {"recommended": models[-1], "batch_size": batch, "speedup": 2.0,
+                        "speedup_vs_best_float": 1.5, "size_ratio": 0.25,
+                        "accuracy_change_points": -0.1}}))
+        return type("Run", (), {"name": name, "verified_path": lambda self, _: path})()
+
+    summary, text = compare_markdown([run("one", 32, ["fp32", "amp@cuda", "ort-static"]),
+                                      run("two", 8, ["fp32", "ort-static"])])
+    assert "| `amp@cuda` | 90.00%, 1.00 MB, 2.00 ms @32 | - |" in text
+    assert text.index("| `ort-static` |") < text.index("| `amp@cuda` |")
+    assert "| `one` | `ort-static` | 32 | 2.00x |" in text
+    assert "| `two` | `ort-static` | 8 | 2.00x |" in text
+
+
 def test_where_validation_and_test_disagree_validation_decides():
     """ort-static keeps within the budget on validation images and loses 5 points on test;
     torch-static misses it on validation and loses nothing on test. The one chosen is the one
