@@ -54,7 +54,7 @@ def files_to_predict(paths) -> list[Path]:
 
     files, empty = image_files(paths)
     if empty:
-        raise UsageError(f"{', '.join(map(str, empty))}: no files in this folder")
+        raise UsageError(f"{', '.join(map(printable, empty))}: no files in this folder")
     return files
 
 
@@ -90,8 +90,24 @@ def _folder_files(folder: Path, seen: set) -> list[Path]:
     for entry in entries:
         if entry.name.startswith("."):
             continue
-        found += _folder_files(entry, seen) if entry.is_dir() else [entry]
+        try:
+            folder_inside = entry.is_dir()
+        except OSError:  # a folder listed but not entered: named as skipped, with why
+            folder_inside = False
+        found += _folder_files(entry, seen) if folder_inside else [entry]
     return found
+
+
+def path_problem(path) -> str | None:
+    """Why ``path`` cannot be opened (Path.exists raises where a name is too long or a folder
+    cannot be entered), or None."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return "no such file or folder"
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
 
 
 def printable(text) -> str:
@@ -288,13 +304,14 @@ def main(args, spec: dict, logits_of) -> int:
     """What an exported folder's `python predict.py IMAGE_OR_FOLDER...` does: `run`'s lines and
     refusals, as an exit status: 1 if any file was skipped, 2 for a path that does not exist
     or a folder with no files."""
-    missing = [path for path in args.paths if not Path(path).exists()]
-    if missing:
-        print(f"predict.py: {', '.join(missing)}: no such file or folder", file=sys.stderr)
+    problems = [(path, why) for path in args.paths if (why := path_problem(path))]
+    if problems:
+        print("predict.py: " + "; ".join(f"{printable(path)}: {why}" for path, why in problems),
+              file=sys.stderr)
         return 2
     files, empty = image_files(args.paths)
     if empty:
-        print(f"predict.py: {', '.join(map(str, empty))}: no files in this folder",
+        print(f"predict.py: {', '.join(map(printable, empty))}: no files in this folder",
               file=sys.stderr)
         return 2
     skipped = print_predictions(files, spec, logits_of, args.batch_size, args.top_k, "predict.py")

@@ -247,9 +247,10 @@ def test_linked_folders_are_followed_once_and_one_that_cannot_be_listed_is_named
     _digit(folder / "a.png")
     _digit(folder / "locked" / "c.png")
     _digit(elsewhere / "b.png")
+    _digit(folder / "fenced.png")
     (folder / "linked").symlink_to(elsewhere)
     (folder / "loop").symlink_to(folder)  # followed, it would never end
-    real_iterdir, real_scandir = Path.iterdir, os.scandir
+    real_iterdir, real_scandir, real_is_dir = Path.iterdir, os.scandir, Path.is_dir
 
     def denied(*path):  # root lists any folder, so the refusal is simulated
         if path and isinstance(path[0], (str, Path)) and Path(path[0]) == folder / "locked":
@@ -257,15 +258,34 @@ def test_linked_folders_are_followed_once_and_one_that_cannot_be_listed_is_named
 
     monkeypatch.setattr(Path, "iterdir", lambda self: denied(self) or real_iterdir(self))
     monkeypatch.setattr(os, "scandir", lambda *path: denied(*path) or real_scandir(*path))
+    # A folder listed but not entered: stat of what it lists fails, and Path.is_dir raises
+    # (Python 3.11 and 3.12) where it had ended predict in a PermissionError.
+    monkeypatch.setattr(Path, "is_dir", lambda self: (
+        self == folder / "fenced.png" and denied(folder / "locked")) or real_is_dir(self))
     result = _invoke("--artifacts-dir", str(run.artifacts_dir), "predict", str(folder),
                      "--variant", "ort-static")
     assert result.exit_code == 1, result.output
     predicted = sorted(line.split(": ")[0] for line in result.stdout.strip().splitlines())
-    assert predicted == [str(folder / "a.png"), str(folder / "linked" / "b.png")], result.stderr
+    assert predicted == [str(folder / "a.png"), str(folder / "fenced.png"),
+                         str(folder / "linked" / "b.png")], result.stderr
     assert (f"pipeline: skipped {folder / 'locked'}: permission denied: this user cannot read "
             "it") in result.stderr
-    assert result.stderr.strip().endswith("1 of 3 file(s) could not be predicted and were "
+    assert result.stderr.strip().endswith("1 of 4 file(s) could not be predicted and were "
                                           "skipped (named above)")
+
+
+def test_an_exported_predict_py_names_a_path_it_cannot_open_in_one_line(tmp_path, capsys):
+    """Path.exists raised on a name too long (or a folder this user cannot enter): a
+    traceback from the exported script where pipeline predict said one line."""
+    import argparse
+
+    long_name, missing = str(tmp_path / ("a" * 300)), str(tmp_path / "missing.png")
+    args = argparse.Namespace(paths=[long_name, missing], top_k=1, batch_size=4)
+    assert predict.main(args, {}, lambda batch: None) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("predict.py: ")
+    assert "a" * 300 + ": File name too long" in err
+    assert f"{missing}: no such file or folder" in err
 
 
 def test_unreadable_files_say_why(tmp_path, monkeypatch, recwarn):
