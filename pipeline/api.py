@@ -107,14 +107,16 @@ class Model:
 def load(run=None, variant: str = "recommended", *, artifacts_dir=None,
          threads: int = 0) -> Model:
     """Load a variant of a run; see the module's docstring."""
+    from pipeline.config import MAX_THREADS
     from stages import runtimes
     from stages.data.datasets import preprocessing_of_run
     from stages.measure.machine import inference_threads
 
     threads = 0 if threads is None else threads
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+    if (isinstance(threads, bool) or not isinstance(threads, int)
+            or not 0 <= threads <= MAX_THREADS):
         raise ValueError(f"threads={threads!r}: give 0 (as many as the machine has, up to 8) or "
-                         "a positive whole number of threads")
+                         f"a whole number of threads up to {MAX_THREADS}")
     opened = open_run(run, artifacts_dir)
     name = runtimes.resolve(opened, variant)
     spec = preprocessing_of_run(opened)
