@@ -24,6 +24,9 @@ def load_checkpoint(path: Path) -> Any:
             # and pickles of other protocols are noted; neither says anything about this file.
             warnings.filterwarnings("ignore", category=UserWarning,
                                     module=r"torch\.(_utils|_weights_only_unpickler)")
+            # A TorchScript file: torch's advice to call torch.jit.load; refused below.
+            warnings.filterwarnings("ignore", message=".*looks like a TorchScript archive",
+                                    category=UserWarning)
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
         raise PipelineError(load_failure(Path(path), exc)) from exc
@@ -47,6 +50,10 @@ def load_failure(path: Path, exc: BaseException) -> str:
         return (f"{path} is not a PyTorch weights file (neither torch.save's zip archive nor a "
                 "pickle); give a state_dict or checkpoint saved with torch.save")
     text = str(exc)
+    if "TorchScript archive" in text:  # torch.jit.save's: a program, not weights
+        return (f"{path} is a TorchScript file (torch.jit.save), a program rather than weights; "
+                "save the weights alone (torch.save(model.state_dict(), path)) and give that "
+                "file")
     named = re.findall(r"GLOBAL ([\w.]+)", text)
     if "Weights only load failed" in text:
         what = f" (it names {named[0]}, not only tensors)" if named else ""

@@ -36,3 +36,19 @@ def test_a_file_that_is_not_weights_says_what_it_is_not(tmp_path, content, says)
     with pytest.raises(PipelineError) as refused:
         loading.load_checkpoint(path)
     assert str(path) in str(refused.value) and says in str(refused.value)
+
+
+def test_a_torchscript_file_is_named_as_one_not_as_corrupt(tmp_path, recwarn):
+    """torch.jit.save's file had read "cannot load ...: Cannot use ``weights_only=True`` with
+    TorchScript archives ... the file is truncated or corrupt", beside torch's advice to call
+    torch.jit.load."""
+    import torch
+
+    path = tmp_path / "scripted.pt"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), path)
+    with pytest.raises(PipelineError) as refused:
+        loading.load_checkpoint(path)
+    assert str(refused.value) == (
+        f"{path} is a TorchScript file (torch.jit.save), a program rather than weights; save "
+        "the weights alone (torch.save(model.state_dict(), path)) and give that file")
+    assert not [w for w in recwarn if "TorchScript" in str(w.message)]
