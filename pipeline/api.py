@@ -42,9 +42,15 @@ class Model:
 
     def preprocess(self, image) -> "numpy.ndarray":
         """A path or PIL image as the model's input (channels, size, size), float32: the
-        evaluation transform of the run's data set."""
+        evaluation transform of the run's data set. Anything else is refused by its type (an
+        integer had been taken for an open file's descriptor)."""
+        from PIL import Image
+
         from stages.data.preprocess import preprocess
 
+        if not isinstance(image, (str, os.PathLike, Image.Image)):
+            raise TypeError(f"preprocess got a {type(image).__name__}; it takes a path or a PIL "
+                            "image (an array is already preprocessed: give it to predict)")
         return preprocess(image, self.spec)
 
     def predict(self, images) -> "numpy.ndarray":

@@ -80,6 +80,11 @@ def test_a_list_item_neither_a_path_an_image_nor_an_array_is_refused_by_its_type
         assert _one_line_refusal(model, [item], TypeError) == (
             f"predict got a list holding a {kind}; it takes paths, PIL images or arrays "
             "(np.asarray(...) for array data)")
+    for item, kind in ((3, "int"), (good[0], "ndarray")):  # model.preprocess alike
+        with pytest.raises(TypeError) as refused:
+            model.preprocess(item)
+        assert str(refused.value) == (f"preprocess got a {kind}; it takes a path or a PIL image "
+                                      "(an array is already preprocessed: give it to predict)")
     # A file name holding a newline is named on one line, escaped.
     (tmp_path / "x\ny.png").write_text("not an image")
     assert "x\\ny.png: " in _one_line_refusal(model, [tmp_path / "x\ny.png"])
