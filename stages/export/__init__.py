@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -102,10 +103,58 @@ def _environment(run: Run, name: str) -> dict:
 
 
 def check_out_dir(out_dir: Path) -> None:
-    """Refuse an OUT_DIR that holds anything: an export never writes over a user's files."""
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+    """Refuse an OUT_DIR that holds anything: an export never writes over a user's files. One
+    that holds only what a killed export left (its hidden scratch folder) says so: `ls` shows
+    nothing there."""
+    if not out_dir.exists():
+        return
+    entries = list(out_dir.iterdir()) if out_dir.is_dir() else [out_dir]
+    if entries and all(_scratch_left(entry) for entry in entries):
+        raise UsageError(f"{out_dir} holds only {', '.join(e.name for e in entries)}, left by an "
+                         "export that did not finish; remove it and export again")
+    if entries:
         raise UsageError(f"{out_dir} already exists and is not an empty folder; give a new "
                          "OUT_DIR (export writes a folder of its own)")
+
+
+def _scratch_left(entry: Path) -> bool:
+    """A folder run() made (``.OUT_DIR.XXXXXXXX``, holding `export` or nothing) and could not
+    remove: killed before it ended."""
+    try:
+        return (re.fullmatch(r"\..*\.[a-z0-9_]{8}", entry.name) is not None
+                and entry.is_dir() and not entry.is_symlink()
+                and {p.name for p in entry.iterdir()} <= {"export"})
+    except OSError:
+        return False
+
+
+def _make_parents(out_dir: Path) -> list[Path]:
+    """OUT_DIR's missing parent folders, made; returns those it made, the outermost first, for
+    a failed export to remove."""
+    missing = [p for p in reversed(out_dir.parents) if not p.exists()]
+    try:
+        try:
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            _remove_made(missing)  # those made before the one refused
+            raise
+    except (FileExistsError, NotADirectoryError) as exc:
+        blocking = next((p for p in out_dir.parents if p.exists() and not p.is_dir()),
+                        exc.filename)
+        raise UsageError(f"cannot create {out_dir}: {blocking} is a file, not a folder; give "
+                         "another OUT_DIR") from None
+    except OSError as exc:
+        raise UsageError(f"cannot create {out_dir}: {exc.filename} ({exc.strerror}); give an "
+                         "OUT_DIR whose parent folders you can make") from None
+    return missing
+
+
+def _remove_made(folders: list[Path]) -> None:
+    for folder in reversed(folders):  # the innermost first, each only while it is empty
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _manifest(folder: Path, name: str, run_name: str, serving: dict) -> dict:
@@ -148,16 +197,20 @@ def run(config, run: Run) -> Path:
     name = runtimes.resolve(run, config.variant)
     runtime = runtimes.VARIANTS[name].runtime
     spec = preprocessing_of_run(run)
+    made = _make_parents(out_dir)
     try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError) as exc:
-        blocking = next((p for p in out_dir.parents if p.exists() and not p.is_dir()),
-                        exc.filename)
-        raise UsageError(f"cannot create {out_dir}: {blocking} is a file, not a folder; give "
-                         "another OUT_DIR") from None
-    except OSError as exc:
-        raise UsageError(f"cannot create {out_dir}: {exc.filename} ({exc.strerror}); give an "
-                         "OUT_DIR whose parent folders you can make") from None
+        _write(run, name, runtime, spec, out_dir)
+    except BaseException:
+        _remove_made(made)  # `export new/a/out` that failed had left new/a behind
+        raise
+    say(f"export: {name} ({runtime}) -> {out_dir}: python {out_dir / 'predict.py'} IMAGE...",
+        quiet=config.quiet)
+    return out_dir
+
+
+def _write(run: Run, name: str, runtime: str, spec: dict, out_dir: Path) -> None:
+    """The folder for ``name``, made in a scratch folder beside (or in) ``out_dir``, then moved
+    into place."""
     # An empty folder given (".", a container's mount point) is filled in place: removing it
     # to rename a new one there failed for both, after the whole export. A new one is renamed
     # into place whole.
@@ -188,6 +241,3 @@ def run(config, run: Run) -> Path:
         manifest = _manifest(folder, name, run.name, serving)
         (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         _move_into_place(folder, out_dir, in_place)
-    say(f"export: {name} ({runtime}) -> {out_dir}: python {out_dir / 'predict.py'} IMAGE...",
-        quiet=config.quiet)
-    return out_dir

@@ -284,12 +284,31 @@ def test_a_variant_made_again_while_it_is_exported_is_not_exported(cheap_run, tm
                 file.write(b"made again")
 
     monkeypatch.setattr(export.shutil, "copyfile", copy_of_a_newer_file)
+    out = tmp_path / "new" / "a" / "out"
     result = CliRunner().invoke(cli, ["--artifacts-dir", str(cheap_run.artifacts_dir), "export",
-                                      "--variant", "ort-static", str(tmp_path / "out")])
+                                      "--variant", "ort-static", str(out)])
     assert result.exit_code == 1
     assert "changed while it was exported (made again by another quantize?); export it again" \
         in result.stderr
-    assert not (tmp_path / "out").exists()
+    # Nothing left: not the folder, nor the parents the export made for it (new/a had stayed).
+    assert not (tmp_path / "new").exists()
+
+
+def test_what_a_killed_export_left_in_an_empty_out_dir_is_named(tmp_path):
+    """A SIGKILL while exporting into an empty folder (".", a mount point) leaves its hidden
+    scratch folder there: the next export had said OUT_DIR "already exists and is not an empty
+    folder" of a folder ls shows empty."""
+    from stages.export import check_out_dir
+    from stages.run.errors import UsageError
+
+    (tmp_path / "out" / ".out.k2v_x9q1" / "export").mkdir(parents=True)
+    with pytest.raises(UsageError) as left:
+        check_out_dir(tmp_path / "out")
+    assert str(left.value) == (f"{tmp_path / 'out'} holds only .out.k2v_x9q1, left by an export "
+                               "that did not finish; remove it and export again")
+    (tmp_path / "out" / ".cache").mkdir()  # a user's own: not taken for one
+    with pytest.raises(UsageError, match="already exists and is not an empty folder"):
+        check_out_dir(tmp_path / "out")
 
 
 def test_a_disk_that_fills_at_the_stages_last_status_write_marks_it_failed(tmp_path,
@@ -365,7 +384,7 @@ def test_a_checkpoint_that_cannot_fit_is_refused_before_it_is_written(tmp_path, 
     with pytest.raises(PipelineError, match=r"not enough space in .* for model.pt: 5.24 MB free, "
                                             r"it needs about 45 MB"):
         files.atomic_torch_save({"w": torch.zeros(11_175_000)}, tmp_path / "model.pt")
-    assert list(tmp_path.iterdir()) == []
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.slow
