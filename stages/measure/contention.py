@@ -273,3 +273,36 @@ def warnings(record: dict | None) -> list[str]:
         ": run 'pipeline report' again on a quiet machine." if s["busy"] or s["unstable"] else
         ": they may include that work.")
             for s in record["sessions"] if s["clean"] is False]
+
+
+def caveat(record: dict | None) -> list[str]:
+    """report.md's word on what disturbed the timing, where something did: figures taken
+    beside other work are never presented as clean."""
+    if not record or record["clean"]:
+        return []
+    if record["clean"] is None:
+        return ["**Whether the machine was quiet while timing is unknown:** the load of other "
+                "processes could not be read (no /proc/stat line for these CPUs). The rounds "
+                "were steady, but a steady load beside them would go unnoticed.", ""]
+    disturbed = [s for s in record["sessions"] if s["clean"] is False]
+    busy, unsteady = (any(s[key] for s in disturbed) for key in ("busy", "unstable"))
+    title = ("Timed on a busy machine" if busy else "Timed in unsteady rounds" if unsteady
+             else "Timed beside this process's own busy threads")  # a quieter machine won't do
+    again = (" Measure them again on a quiet machine (`pipeline report` on this run) before "
+             "trusting the speed-ups and the choice made on them." if busy or unsteady else "")
+    return [f"**{title}: these latencies are not clean figures.** "
+            + " ".join(describe(s, record) for s in disturbed) + again, ""]
+
+
+def quiet_sentence(record: dict | None) -> str:
+    """How busy the machine was while timing, for the table's note."""
+    sessions = (record or {}).get("sessions", [])
+    measured = [s["others_cores"] for s in sessions if s["others_cores"] is not None]
+    if not measured:
+        return (" The load of other processes could not be read (no /proc/stat line for these "
+                "CPUs), so a busy machine would go unnoticed.") if sessions else ""
+    state = {True: "clean", False: "not clean, as the verdict says",
+             None: "unknown where the load could not be read"}[record["clean"]]
+    return (f" Other processes used at most {max(measured):.2f} cores on average while a batch "
+            f"size was timed (from /proc/stat; over {record['others_cores_limit']:.2f} a "
+            f"batch size is timed again, at most {record['retries']} more time(s)): {state}.")

@@ -39,7 +39,7 @@ def _verdict_paragraph(report: dict) -> list[str]:
         f"{v['size_ratio']:.2f}x its size. On the test split, which chose nothing, it scores "
         f"{v['test_accuracy']:.2%}, {v['accuracy_change_points']:+.2f} points against `{ref}` "
         f"(95% interval {low:+.2f} to {high:+.2f}, {noise}).", ""]
-    lines += _timing_caveat(report.get("timing_conditions"))
+    lines += contention.caveat(report.get("timing_conditions"))
     fine_tuned = [m["name"] for m in report["models"]
                   if m["validation"]["images"] == VALIDATION_WORDS]
     if fine_tuned:
@@ -80,39 +80,6 @@ def _fp32_clause(choice: dict) -> str:
         return "and "
     return (against(vs_fp32, f"the fastest fp32 variant, `{vs_fp32['best_fp32']}`",
                     itself=vs_fp32["best_fp32"] == choice["recommended"]) + ", and ")
-
-
-def _timing_caveat(record: dict | None) -> list[str]:
-    """What disturbed the timing, where something did: figures taken beside other work are
-    never presented as clean."""
-    if not record or record["clean"]:
-        return []
-    if record["clean"] is None:
-        return ["**Whether the machine was quiet while timing is unknown:** the load of other "
-                "processes could not be read (no /proc/stat line for these CPUs). The rounds "
-                "were steady, but a steady load beside them would go unnoticed.", ""]
-    disturbed = [s for s in record["sessions"] if s["clean"] is False]
-    busy, unsteady = (any(s[key] for s in disturbed) for key in ("busy", "unstable"))
-    title = ("Timed on a busy machine" if busy else "Timed in unsteady rounds" if unsteady
-             else "Timed beside this process's own busy threads")  # a quieter machine won't do
-    again = (" Measure them again on a quiet machine (`pipeline report` on this run) before "
-             "trusting the speed-ups and the choice made on them." if busy or unsteady else "")
-    return [f"**{title}: these latencies are not clean figures.** "
-            + " ".join(contention.describe(s, record) for s in disturbed) + again, ""]
-
-
-def _quiet_sentence(record: dict | None) -> str:
-    """How busy the machine was while timing, for the table's note."""
-    sessions = (record or {}).get("sessions", [])
-    measured = [s["others_cores"] for s in sessions if s["others_cores"] is not None]
-    if not measured:
-        return (" The load of other processes could not be read (no /proc/stat line for these "
-                "CPUs), so a busy machine would go unnoticed.") if sessions else ""
-    state = {True: "clean", False: "not clean, as the verdict says",
-             None: "unknown where the load could not be read"}[record["clean"]]
-    return (f" Other processes used at most {max(measured):.2f} cores on average while a batch "
-            f"size was timed (from /proc/stat; over {record['others_cores_limit']:.2f} a "
-            f"batch size is timed again, at most {record['retries']} more time(s)): {state}.")
 
 
 def _epochs_cut(fine_tuned: dict | None) -> str:
@@ -174,7 +141,7 @@ def _models_table(report: dict) -> list[str]:
               f"{waited:.0f} ms), with 95% bootstrap intervals over the rounds. Accuracy: top-1 "
               f"on the test split, Wilson intervals; the change against `{ref}` uses Newcombe's "
               "paired interval on the same images."
-              + _quiet_sentence(report.get("timing_conditions")), ""]
+              + contention.quiet_sentence(report.get("timing_conditions")), ""]
     return lines
 
 

@@ -203,12 +203,10 @@ def test_without_proc_stat_clean_is_unknown_and_the_spread_alone_is_judged():
     assert verdict["per_batch_size"]["1"]["timing_clean"] is None
     assert contention.all_clean([None, False, True]) is False
     assert contention.all_clean([True, True]) is True
-    from stages.report.markdown import _quiet_sentence, _timing_caveat
-
-    assert _quiet_sentence(record) == (
+    assert contention.quiet_sentence(record) == (
         " The load of other processes could not be read (no /proc/stat line for these CPUs), so "
         "a busy machine would go unnoticed.")
-    [caveat, _] = _timing_caveat(record)
+    [caveat, _] = contention.caveat(record)
     assert caveat.startswith("**Whether the machine was quiet while timing is unknown:**")
 
     spread = timing.Timing([[0.002] * 5, [0.006] * 5] * 3)
@@ -237,9 +235,7 @@ def test_a_variant_timed_while_its_process_never_went_idle_is_not_clean():
         "`onnx-fp32` at batch 32 on the CPU was timed while other threads of this process still "
         "used the CPU (the wait for them gave up). These latencies and speed-ups are not clean "
         "figures: they may include that work."]
-    from stages.report.markdown import _timing_caveat
-
-    [caveat, _] = _timing_caveat(record)  # report.md had sent the user to a quiet machine
+    [caveat, _] = contention.caveat(record)  # report.md had sent the user to a quiet machine
     assert caveat.startswith("**Timed beside this process's own busy threads: these latencies")
     assert "quiet machine" not in caveat and "unsteady" not in caveat
 
