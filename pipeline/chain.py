@@ -18,6 +18,7 @@ import click
 Processor = tuple[str, Callable]
 CREATES_A_RUN = ("train", "import")  # the first stage of a chain that starts a new run
 READS_ONLY = ("predict", "export")  # they change nothing in the run: no lock, no stage status
+MAKES_VARIANTS = ("train", "import", "quantize", "qat")  # a report before them recommends none
 EVERY_RANK = ("train",)  # under torchrun; the other stages run on rank 0 alone
 
 
@@ -35,6 +36,7 @@ def run_chain(processors: list[Processor], artifacts_dir: Path, run_name: str | 
 
         raise UsageError(f"{late} starts a run, so it comes first in a chain (pipeline {late} "
                          f"quantize report), not after {processors[0][0]}")
+    _check_recommended_has_a_report(processors)
     # Where training runs: train's own device (a [train] table may name one the group's
     # --device does not) picks the process group's backend and whether oneDNN needs its cap.
     device = next((getattr(p, "device", device) for s, p in processors if s == "train"), device)
@@ -66,6 +68,22 @@ def run_chain(processors: list[Processor], artifacts_dir: Path, run_name: str | 
                     click.echo(f"{stage}: done in {_duration(seconds)}", err=True)
     finally:
         distributed.teardown()
+
+
+def _check_recommended_has_a_report(processors: list[Processor]) -> None:
+    """predict or export of the recommended variant after a stage that makes variants needs
+    the report of this chain before it: the run's report, if any, would recommend what that
+    stage made again, and was refused only once training had run."""
+    from stages.run.errors import UsageError
+
+    for index, (stage, process) in enumerate(processors):
+        before = [name for name, _ in processors[:index]]
+        makes = [name for name in before if name in MAKES_VARIANTS]
+        if getattr(process, "variant", None) == "recommended" and makes and (
+                "report" not in before[before.index(makes[-1]):]):
+            raise UsageError(f"{stage} of the recommended variant needs a report after "
+                             f"{makes[-1]} in this chain: pipeline {' '.join(before)} report "
+                             f"{stage} ..., or name a variant with --variant")
 
 
 def _check(processors: list[Processor], artifacts_dir: Path) -> None:

@@ -251,7 +251,7 @@ def predict(ctx: click.Context, paths, **flags) -> Processor:
 
         files_to_predict(config.paths)
 
-    process.check = check
+    process.check, process.variant = check, config.variant
     return "predict", process
 
 
@@ -276,7 +276,7 @@ def export(ctx: click.Context, **flags) -> Processor:
 
         check_out_dir(Path(config.out_dir).expanduser())
 
-    process.check = check
+    process.check, process.variant = check, config.variant
     return "export", process
 
 

@@ -296,15 +296,22 @@ def test_a_compare_run_that_does_not_exist_is_refused_before_the_report_starts(t
 
 
 @pytest.mark.parametrize("last, needle", [
-    (["export", "{full}"], "{full} already exists and is not an empty folder"),
+    (["export", "--variant", "fp32", "{full}"], "{full} already exists and is not an empty folder"),
     (["export", "--variant", "ort-statc", "{new}"], "--variant 'ort-statc' is not one of: "
                                                     "recommended, fp32, amp"),
-    (["predict", "{empty}"], "{empty}: no files in this folder"),
+    (["quantize", "report", "predict", "{empty}"], "{empty}: no files in this folder"),
+    (["export", "{new}"], "export of the recommended variant needs a report after train in this "
+                          "chain: pipeline train report export ..., or name a variant with "
+                          "--variant"),
+    (["report", "quantize", "predict", "{empty}"], "predict of the recommended variant needs a "
+                                                   "report after quantize in this chain"),
 ])
 def test_what_ends_a_chain_checks_its_input_before_the_chain_trains(tmp_path, monkeypatch,
                                                                      last, needle):
     """export's OUT_DIR, its --variant and predict's folders were checked when their stage
-    ran, after training, quantize and report had taken their minutes."""
+    ran, after training, quantize and report had taken their minutes; and the recommended
+    variant of a chain that makes variants and has no report after them, whose run then has
+    no report, or one that recommends what was made again."""
     from stages import train
 
     monkeypatch.setattr(train, "run", lambda *args, **kwargs: pytest.fail("training ran"))
