@@ -203,6 +203,10 @@ def _environment(wanted: dict[str, str]):
 def _serve(requests, answers, buffer, parent: int | None) -> None:
     """The child's loop: each request's (ok, value) sent back, until the parent says stop or
     goes."""
+    # Ctrl-C reaches the whole process group: an idle child (the report's, while predict runs
+    # after it in a chain) printed KeyboardInterrupt's traceback beside the parent's one line.
+    # The parent ends the child itself (call) when it is interrupted.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if parent is not None:
         _end_with(parent)
     while True:

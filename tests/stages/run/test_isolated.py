@@ -103,6 +103,17 @@ def test_the_child_serves_the_next_call_and_a_new_one_follows_a_crash_or_another
     assert after["value"] == 5 and after["pid"] != elsewhere["pid"]
 
 
+def test_ctrl_c_leaves_an_idle_child_quiet_and_serving(capfd):
+    """Ctrl-C goes to the whole process group: the report's idle child (predict running after
+    it in a chain) had printed KeyboardInterrupt's traceback beside the parent's one line."""
+    first = isolated.call(f"{__name__}:answer", 1, environment={"ONLY": "ctrl-c"})
+    os.kill(first["pid"], signal.SIGINT)
+    time.sleep(0.5)
+    again = isolated.call(f"{__name__}:answer", 2, environment={"ONLY": "ctrl-c"})
+    assert again["pid"] == first["pid"]  # alive, and the parent ends it when it must
+    assert "KeyboardInterrupt" not in capfd.readouterr().err
+
+
 def test_a_child_runs_without_the_cap_training_set_and_keeps_a_users(monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     monkeypatch.setenv(isolated.CAPPED_FOR_TRAINING, "AVX512_CORE_BF16")
