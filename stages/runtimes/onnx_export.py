@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 from stages.run.errors import NotMade, PipelineError
-from stages.run.files import atomic_path, raise_if_disk_failure
+from stages.run.files import atomic_path, converter_errors, raise_if_disk_failure
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "logits"
@@ -161,9 +161,9 @@ def _drop_weight_value_info(graph) -> None:
 
 
 def check_onnx(path: Path) -> None:
+    """A converter's output that onnx.checker refuses costs that variant (NotMade), not the
+    stage: the exporter or quantizer could not write this model."""
     import onnx
 
-    try:
+    with converter_errors(f"onnx.checker on {path.name}", path):
         onnx.checker.check_model(str(path), full_check=True)
-    except Exception as exc:
-        raise PipelineError(f"{path} fails onnx.checker: {str(exc).splitlines()[0][:300]}") from exc

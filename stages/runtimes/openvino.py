@@ -93,8 +93,9 @@ def runner(compiled):
         for start in range(0, len(images), batch_size):
             batch = np.ascontiguousarray(images[start:start + batch_size].numpy(),
                                          dtype=np.float32)
-            outputs.append(torch.from_numpy(
-                request.infer({0: batch}, share_inputs=True)[0].copy()))
+            with converter_errors("OpenVINO"):  # a kernel it lacks costs the variant, as ORT's
+                outputs.append(torch.from_numpy(
+                    request.infer({0: batch}, share_inputs=True)[0].copy()))
         return torch.cat(outputs) if outputs else torch.empty(0)
 
     def call_for(batch):
@@ -178,7 +179,8 @@ def unquantize_hard_gates(model) -> list[str]:
             op.output(0).replace(gate)
             multiplies += [user.get_friendly_name() for user in users]
     if multiplies:
-        model.validate_nodes_and_infer_types()
+        with converter_errors("OpenVINO's shape inference"):
+            model.validate_nodes_and_infer_types()
     return multiplies
 
 
@@ -228,7 +230,8 @@ def means_as_avg_pools(model) -> list[str]:
         op.output(0).replace(mean.output(0))
         rewritten.append(op.get_friendly_name())
     if rewritten:
-        model.validate_nodes_and_infer_types()
+        with converter_errors("OpenVINO's shape inference"):
+            model.validate_nodes_and_infer_types()
     return rewritten
 
 
@@ -244,7 +247,8 @@ def save_ir(model, xml: Path, scratch: Path) -> Path:
     renamed, weights first so that a listed .xml never points at a missing .bin."""
     ov = _openvino()
     staged = scratch / xml.name
-    ov.save_model(model, str(staged), compress_to_fp16=False)
+    with converter_errors("OpenVINO's save_model", staged):  # a full disk stays the stage's
+        ov.save_model(model, str(staged), compress_to_fp16=False)
     weights = xml.with_suffix(".bin")
     for source, target in ((staged.with_suffix(".bin"), weights), (staged, xml)):
         with atomic_path(target) as tmp:

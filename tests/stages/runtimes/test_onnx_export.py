@@ -121,3 +121,20 @@ def test_means_given_by_attribute_or_by_a_shared_constant_are_rewritten_alike():
                                        providers=["CPUExecutionProvider"])
         for was, now in zip(before, session.run(None, {"x": x})):
             np.testing.assert_allclose(now, was, rtol=1e-6, atol=1e-6)
+
+
+def test_a_converters_output_onnx_checker_refuses_costs_its_variant(tmp_path):
+    """It had been a PipelineError, the stage's: quantize stopped there, and the variants after
+    it (and torch-static's deferred check) never ran."""
+    import pytest
+
+    from stages.run.errors import NotMade
+    from stages.runtimes.onnx_export import check_onnx
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, [1])])
+    path = tmp_path / "ort-static.onnx"
+    onnx.save_model(helper.make_model(graph), str(path))  # its output "z" is never made
+    with pytest.raises(NotMade, match="^onnx.checker on ort-static.onnx failed: "):
+        check_onnx(path)

@@ -176,3 +176,21 @@ def test_a_matmul_of_two_activations_has_no_weight_size():
     scores = opset.matmul(opset.matmul(queries, keys, False, False), weights, False, False)
     model = ov.Model([scores], [queries, keys])
     assert openvino.weight_sizes(model) == [0, 12]
+
+
+def test_an_error_openvino_raises_while_predicting_costs_the_variant():
+    """ONNX Runtime's own errors while a variant ran were NotMade (the variant lost); OpenVINO's
+    request.infer was not wrapped, and its RuntimeError failed the quantize stage."""
+    import pytest
+
+    from stages.run.errors import NotMade
+    from stages.runtimes import openvino
+
+    def infer(*args, **kwargs):
+        raise RuntimeError("Exception from src/plugins/intel_cpu: unsupported layout\nmore")
+
+    compiled = SimpleNamespace(create_infer_request=lambda: SimpleNamespace(infer=infer))
+    predict, _ = openvino.runner(compiled)
+    with pytest.raises(NotMade, match="^OpenVINO failed: Exception from src/plugins/intel_cpu: "
+                                      "unsupported layout$"):
+        predict(torch.zeros(2, 1, 8, 8))
