@@ -83,14 +83,20 @@ def _target(name: str):
     if name in PYTHON_OPERATORS:
         return PYTHON_OPERATORS[name]
     parts = name.split(".")
-    if len(parts) != 3 or parts[0] not in NAMESPACES:
-        raise PipelineError(f"the graph file calls {name!r}, which is not an operator of "
+    refused = PipelineError(f"the graph file calls {name!r}, which is not an operator of "
                             f"{', '.join(NAMESPACES)}; refusing to load it")
+    # Each part a plain name: "aten.__class__.__class__" had resolved to builtins' type.
+    if len(parts) != 3 or parts[0] not in NAMESPACES or any(
+            not part.isidentifier() or part.startswith("_") for part in parts):
+        raise refused
     try:
-        return getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
+        found = getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
     except (AttributeError, RuntimeError):
         raise PipelineError(f"the graph file calls {name!r}, which this torch does not "
                             "have") from None
+    if not (isinstance(found, torch._ops.OpOverload) and found.namespace == parts[0]):
+        raise refused  # an operator overload, as _target_name stored it, and nothing else
+    return found
 
 
 def to_data(graph_module) -> dict:

@@ -44,6 +44,10 @@ def test_a_graph_round_trips_with_symbolic_sizes_and_odd_module_names():
     ("builtins.exec", "not an operator of aten, quantized_decomposed"),
     ("aten.no_such_operator.default", "which this torch does not have"),
     ("operator.attrgetter", "not an operator of"),
+    # Names that resolve through torch.ops to what is not an operator: builtins' type, a dict.
+    ("aten.__class__.__class__", "not an operator of"),
+    ("aten.__dict__.get", "not an operator of"),
+    ("aten.add.overloads", "not an operator of"),
 ])
 def test_a_graph_that_calls_anything_else_is_refused(target, message):
     _, exported = _exported()
