@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import signal
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,9 +24,10 @@ from stages.data.subsets import (
 )
 from stages.measure.evaluate import accuracy
 from stages.measure.machine import inference_threads
+from stages.run import signals
 from stages.run.artifacts import Run
 from stages.run.errors import PipelineError, UsageError
-from stages.run.files import remove_stale_temporaries
+from stages.run.files import fsync_folder, remove_stale_temporaries
 from stages.run.progress import say
 from stages.run.trained import float_source
 
@@ -234,11 +236,19 @@ class QuantContext:
                                 f"({runtimes.summarize_ops(op_counts)}), so it was not kept; "
                                 "please report this with --debug output")
         self._loaded.pop(name, None)
-        path, companions = self._publish(path), tuple(self._publish(c) for c in companions)
-        self.run.register(name, path, kind="model", stage=self.stage,
-                          parent=source_of(self.run, name), config=asdict(self.config),
-                          format=fmt, model_spec=self.spec, companions=companions,
-                          quantization=info | {"op_counts": op_counts})
+        # A variant made again replaces its listed file here: an interrupt before the manifest
+        # lists the new one (hashing a large file takes a while) had left a mismatch that made
+        # the report refuse the run. The files are moved weights first (an .xml never points
+        # at a missing .bin), the folder synced, then listed, with SIGINT and SIGTERM held.
+        with signals.deferred(signal.SIGINT, signal.SIGTERM):
+            companions = tuple(self._publish(c) for c in companions)
+            path = self._publish(path)
+            if self.published is not None:
+                fsync_folder(self.published, files=False)
+            self.run.register(name, path, kind="model", stage=self.stage,
+                              parent=source_of(self.run, name), config=asdict(self.config),
+                              format=fmt, model_spec=self.spec, companions=companions,
+                              quantization=info | {"op_counts": op_counts})
 
     def _publish(self, path: Path) -> Path:
         """A file written in ``folder``, moved under its name into quantize/ as it is listed.

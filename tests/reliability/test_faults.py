@@ -514,3 +514,31 @@ def test_a_run_in_use_by_another_process_is_refused_until_that_process_dies(tmp_
     result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "--run", "busy", "report"])
     assert "in use" not in result.stderr  # the kernel let go of the dead holder's lock
     assert "report" in run.manifest()["stages"]
+
+
+def test_an_interrupt_while_a_variant_made_again_is_listed_leaves_it_listed(fresh_tiny_run,
+                                                                             monkeypatch):
+    """The new file replaced the listed one before the manifest was written (hashing a large
+    file takes a while): Ctrl-C in between left a run the report refused whole. The move and
+    the listing are one step now, the interrupt delivered after it."""
+    from pipeline.config import QuantizeConfig
+    from stages.runtimes.context import context
+
+    run = fresh_tiny_run
+    listed = run.root / run.entry("torch-static")["path"]
+    real_record, interrupted = artifacts.Run._file_record, []
+
+    def record_then_interrupt(self, path):
+        if not interrupted:
+            interrupted.append(path)
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the new file is hashed
+        return real_record(self, path)
+
+    monkeypatch.setattr(artifacts.Run, "_file_record", record_then_interrupt)
+    with context(run, QuantizeConfig(calibration_samples=64, quiet=True), "quantize",
+                 record=False) as ctx:
+        (ctx.folder / listed.name).write_bytes(b"made again")
+        with pytest.raises(KeyboardInterrupt):
+            ctx.register("torch-static", ctx.folder / listed.name, {}, "pt2",
+                         {"Conv": {"int8": 1, "float": 0}})
+    assert interrupted and run.verified_path("torch-static").read_bytes() == b"made again"
