@@ -21,7 +21,7 @@ from pathlib import Path
 from stages.measure.evaluate import compare_logits, scoring_batch_size
 from stages.quantization import sensitivity, tuning
 from stages.quantization.sensitivity import Scheme
-from stages.run.errors import NotMade, PipelineError
+from stages.run.errors import PipelineError
 from stages.run.files import atomic_path, converter_errors
 from stages.runtimes import Loaded, loader, profilers, variant
 
@@ -73,11 +73,8 @@ def core():
 def compile_model(model, threads: int, profiling: bool = False, precision: str = "f32"):
     config = {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": threads,
               "PERFORMANCE_HINT": "LATENCY", "PERF_COUNT": profiling}
-    try:
+    with converter_errors("OpenVINO's compile_model"):  # it cannot take the model: NotMade
         return core().compile_model(model, "CPU", config)
-    except Exception as exc:
-        raise NotMade(f"OpenVINO cannot compile the model: "
-                            f"{str(exc).strip().splitlines()[0][:300]}") from exc
 
 
 def runner(compiled):
@@ -268,9 +265,8 @@ def make_fp32(ctx) -> dict:
     images = ctx.check_images()
     predict, _ = runner(compile_model(core().read_model(str(xml)), threads=1))
     info = {"converter": "openvino.convert_model", "precision_hint": "f32",
-            "means_as_avg_pool": pools,
-            "parity_vs_onnx_fp32": compare_logits(ctx.logits_of("onnx-fp32", images),
-                                                  predict(images))}
+            "means_as_avg_pool": pools, "parity_vs_onnx_fp32": compare_logits(
+                ctx.logits_of("onnx-fp32", images), predict(images))}
     ctx.register("openvino-fp32", xml, info, fmt="openvino", companions=(weights,),
                  op_counts=runtime_op_counts(compile_model(core().read_model(str(xml)), 1)))
     return info
