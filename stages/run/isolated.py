@@ -14,6 +14,7 @@ import atexit
 import importlib
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 from typing import Any
@@ -251,4 +252,10 @@ def _result(target: str, buffer, args: tuple) -> tuple[bool, Any]:
         import traceback
 
         exc.add_note(f"in the child process {target}:\n{traceback.format_exc()}")  # --debug
+        try:  # one that pickles but cannot be rebuilt (its __init__ takes other arguments)
+            pickle.loads(pickle.dumps(exc))  # had reached the parent as that TypeError
+        except Exception:  # noqa: BLE001  sent as its type, message and trace instead
+            stand_in = RuntimeError(f"{type(exc).__name__}: {exc}")
+            stand_in.__notes__ = exc.__notes__
+            return False, stand_in
         return False, exc

@@ -23,6 +23,15 @@ def refuse(doing):
     raise UsageError("no such run; give --run NAME")
 
 
+class TwoArguments(Exception):
+    def __init__(self, what, why):
+        super().__init__(f"{what}: {why}")
+
+
+def refuse_oddly(doing):
+    raise TwoArguments("the model", "too large")
+
+
 def crash(doing):
     doing("reading address 0")
     ctypes.string_at(0)
@@ -81,6 +90,10 @@ def test_a_child_answers_raises_and_dies_as_the_parent_can_tell():
     with pytest.raises(UsageError, match="no such run; give --run NAME") as refused:
         isolated.call(f"{__name__}:refuse")
     assert "in the child process" in "".join(refused.value.__notes__)  # its trace, for --debug
+    # One the parent cannot rebuild from its pickle had come back as that TypeError.
+    with pytest.raises(RuntimeError, match=r"^TwoArguments: the model: too large\n") as odd:
+        isolated.call(f"{__name__}:refuse_oddly")
+    assert "in the child process" in "".join(odd.value.__notes__)
     with pytest.raises(isolated.Crashed) as died:
         isolated.call(f"{__name__}:crash")
     assert (died.value.signal_name, died.value.doing) == ("SIGSEGV", "reading address 0")
