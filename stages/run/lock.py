@@ -10,6 +10,23 @@ from stages.run.artifacts import Run
 from stages.run.errors import PipelineError, UsageError
 
 LOCK_NAME = ".lock"
+# The lock's descriptors this process holds. flock belongs to the open file, which a forked
+# child (a DataLoader worker) shares: a holder killed with SIGKILL left the run locked until its
+# workers noticed, seconds later. A forked child closes its copies at once.
+_HELD: set[int] = set()
+
+
+def _close_in_forked_child() -> None:
+    for fd in _HELD:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
 @contextlib.contextmanager
@@ -41,6 +58,7 @@ def hold_run(run: Run, doing: str) -> Iterator[None]:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "pid unknown"
             raise UsageError(f"run {run.name!r} is in use by another pipeline process "
                              f"({holder}); wait for it to end, or give another --run") from None
+        _HELD.add(fd)
         try:  # who holds it, for that message; a full disk must not stop the run for it
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()}: {doing}".encode(), 0)
@@ -48,5 +66,6 @@ def hold_run(run: Run, doing: str) -> Iterator[None]:
             pass
         yield
     finally:
+        _HELD.discard(fd)
         os.close(fd)  # releases the lock
 

@@ -488,16 +488,19 @@ def test_a_sigterm_just_after_the_error_still_leaves_the_stage_failed(tmp_path, 
 
 def test_a_run_in_use_by_another_process_is_refused_until_that_process_dies(tmp_path):
     """Two processes on one run would each write the manifest back over the other's entries:
-    the second is refused before it starts, and a holder killed with SIGKILL frees the run."""
+    the second is refused before it starts, and a holder killed with SIGKILL frees the run, a
+    child it forked (a DataLoader worker, which outlives it a while) notwithstanding."""
     run = artifacts.create_run(tmp_path, "busy")
     manifest = run.manifest_path.read_bytes()
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys, time\nfrom stages.run import artifacts, lock\n"
+         "import os, sys, time\nfrom stages.run import artifacts, lock\n"
          f"run = artifacts.open_run({str(tmp_path)!r}, 'busy')\n"
          "with lock.hold_run(run, 'train quantize'):\n"
+         "    if os.fork() == 0:\n        time.sleep(120)\n        os._exit(0)\n"
          "    print('held', flush=True)\n    time.sleep(120)\n"],
-        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2],
+        start_new_session=True)  # its forked child in its group, killed with it below
     try:
         assert holder.stdout.readline().strip() == "held"
         result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "--run", "busy",
@@ -508,12 +511,15 @@ def test_a_run_in_use_by_another_process_is_refused_until_that_process_dies(tmp_
                          f"(pid {holder.pid}: train quantize); wait for it to end, or give "
                          "another --run"], result.stderr
         assert run.manifest_path.read_bytes() == manifest  # no stage marked, nothing written
-    finally:
         holder.kill()
         holder.wait()
-    result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "--run", "busy", "report"])
-    assert "in use" not in result.stderr  # the kernel let go of the dead holder's lock
-    assert "report" in run.manifest()["stages"]
+        result = CliRunner().invoke(cli, ["--artifacts-dir", str(tmp_path), "--run", "busy",
+                                          "report"])
+        assert "in use" not in result.stderr  # the kernel let go of the dead holder's lock
+        assert "report" in run.manifest()["stages"]
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)  # the forked child, still asleep
+        holder.wait()
 
 
 def test_an_interrupt_while_a_variant_made_again_is_listed_leaves_it_listed(fresh_tiny_run,
