@@ -253,7 +253,8 @@ def _result(target: str, buffer, args: tuple) -> tuple[bool, Any]:
 
         exc.add_note(f"in the child process {target}:\n{traceback.format_exc()}")  # --debug
         try:  # one that pickles but cannot be rebuilt (its __init__ takes other arguments)
-            pickle.loads(pickle.dumps(exc))  # had reached the parent as that TypeError
+            rebuild, arguments = exc.__reduce_ex__(pickle.HIGHEST_PROTOCOL)[:2]
+            rebuild(*arguments)  # as unpickling in the parent does: it had raised TypeError
         except Exception:  # noqa: BLE001  sent as its type, message and trace instead
             stand_in = RuntimeError(f"{type(exc).__name__}: {exc}")
             stand_in.__notes__ = exc.__notes__
