@@ -576,7 +576,7 @@ def test_a_qat_variant_its_runtime_cannot_take_costs_that_variant_not_the_stage(
 
 @pytest.mark.slow  # tiny_qat_run
 def test_an_ort_qat_with_nothing_in_int8_is_not_kept_and_the_stage_goes_on(
-        tiny_qat_run, tmp_path, monkeypatch):
+        tiny_qat_run, tmp_path, monkeypatch, capsys):
     """It failed the stage (register's "nothing runs in int8", an error to report) after
     torch-qat was listed, where openvino-qat in the same case is only not kept."""
     from stages.runtimes import qat as qat_runtime
@@ -585,10 +585,14 @@ def test_an_ort_qat_with_nothing_in_int8_is_not_kept_and_the_stage_goes_on(
     run = _copy(tiny_qat_run["run"], tmp_path / "artifacts")
     run.unregister("openvino-qat")
     run.unregister("ort-qat")
+    counted = []
     monkeypatch.setattr(qat_runtime, "onnx_op_counts",
-                        lambda path: {"Conv": {"int8": 0, "float": 3}})
+                        lambda path: counted.append(path) or {"Conv": {"int8": 0, "float": 3}})
     # The child's work, here: ort-qat made from the run's torch-qat, without fine-tuning again.
-    assert qat._make_in_child(lambda _: None, QatConfig(quiet=True), run, ["ort-qat"]) == []
+    # Not kept for this reason, not another that returns nothing too (export, parity).
+    assert qat._make_in_child(lambda _: None, QatConfig(quiet=False), run, ["ort-qat"]) == []
+    assert counted and "qat: ort-qat not kept: ONNX Runtime runs none of its convolutions or " \
+        "linear" in capsys.readouterr().err
     assert "ort-qat" not in run.artifacts() and "torch-qat" in run.artifacts()
 
 
