@@ -40,7 +40,8 @@ def pipeline(artifacts: Path, run: str, *args: str) -> float:
 
 
 def fastest(models: list[dict], precision: str, size: str) -> dict | None:
-    rows = [m for m in models if m["precision"] == precision]
+    rows = [m for m in models if m["precision"] == precision  # the CPU's, as the verdict
+            and m.get("device", "cpu") == "cpu"]
     return min(rows, key=lambda m: m["latency_ms"][size]["p50"], default=None)
 
 

@@ -35,7 +35,8 @@ def one(model: str, args) -> dict:
                                     args.steps)
     except PipelineError as exc:
         return {"model": model, "error": str(exc), "seconds": time.monotonic() - started}
-    return {"model": model, "seconds": time.monotonic() - started} | curve
+    return {"model": model, "seconds": time.monotonic() - started,
+            "batch_size": config.batch_size} | curve
 
 
 def main() -> None:
@@ -52,7 +53,7 @@ def main() -> None:
     lr_range.START_LR, lr_range.END_LR = args.start, args.end
     lr_range.SMOOTHING = args.smoothing
     rows = []
-    print("| model | lowest loss at | steepest descent | chosen | steps | seconds |\n"
+    print("| model | lowest loss at | steepest descent | chosen (uncapped) | steps | seconds |\n"
           "|---|---|---|---|---|---|", flush=True)
     for model in args.models.split(","):
         row = one(model, args)
@@ -60,7 +61,10 @@ def main() -> None:
         if "error" in row:
             print(f"| {model} | {row['error']} | | | | {row['seconds']:.0f} |", flush=True)
             continue
-        print(f"| {model} | {row['minimum']:.3g} | {row['steepest']:.3g} | {row['chosen']:.3g} "
+        # What train --lr auto would use: the curve's choice under the ceiling per image.
+        used = min(row["chosen"], lr_range.CEILING_PER_256 * row["batch_size"] / 256)
+        print(f"| {model} | {row['minimum']:.3g} | {row['steepest']:.3g} | {used:.3g} "
+              f"({row['chosen']:.3g}) "
               f"| {row['steps']} | {row['seconds']:.0f} |", flush=True)
     if args.out:
         args.out.write_text(json.dumps(rows))

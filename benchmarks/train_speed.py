@@ -23,7 +23,12 @@ from stages import train
 from stages.data.datasets import load_splits
 from stages.models.build import build_model
 from stages.run import artifacts
-from stages.training.precision import Precision, autocast, resolve_device
+from stages.training.precision import (
+    Precision,
+    autocast,
+    cap_isa_for_bf16_training,
+    resolve_device,
+)
 
 
 def bare_loop(config: TrainConfig, splits, precision: Precision, device) -> float:
@@ -58,6 +63,9 @@ def main() -> None:
     config = TrainConfig(model=args.model, epochs=args.epochs, batch_size=args.batch_size,
                          lr=args.lr, precision=args.precision, baseline=False, quiet=True)
     device = resolve_device("auto")
+    # As `pipeline train` does before any kernel: on an AMX CPU bf16 training runs capped
+    # below AMX, and the bare loop ran first, with AMX's bf16 kernels, uncapped.
+    cap_isa_for_bf16_training(args.precision, device.type)
     splits = load_splits(config)
     bare = bare_loop(config, splits, Precision(args.precision), device)
     with tempfile.TemporaryDirectory() as folder:
