@@ -27,7 +27,7 @@ def table(result: dict) -> str:
             "| vs best float @32 |", "|---|---|---|---|---|---|"]
     for model in result["models"]:
         latency = model["latency_ms"]
-        vs_ref = model["speedup_vs_ref"]["32"]
+        vs_ref = model["speedup_vs_reference"]["32"]
         vs_best = model["speedup_vs_best_float"]["32"]
         rows.append(f"| {model['name']} | {latency['1']['p50']:.2f} | {latency['32']['p50']:.2f} "
                     f"| {model['accuracy']:.2%} "

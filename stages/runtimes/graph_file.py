@@ -85,9 +85,10 @@ def _target(name: str):
     parts = name.split(".")
     refused = PipelineError(f"the graph file calls {name!r}, which is not an operator of "
                             f"{', '.join(NAMESPACES)}; refusing to load it")
-    # Each part a plain name: "aten.__class__.__class__" had resolved to builtins' type.
+    # Each part a plain name, none a dunder ("aten.__class__.__class__" had resolved to
+    # builtins' type); aten's own start with one underscore (_native_batch_norm_legit...).
     if len(parts) != 3 or parts[0] not in NAMESPACES or any(
-            not part.isidentifier() or part.startswith("_") for part in parts):
+            not part.isidentifier() or part.startswith("__") for part in parts):
         raise refused
     try:
         found = getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
