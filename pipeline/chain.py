@@ -78,11 +78,11 @@ def _check_recommended_has_a_report(processors: list[Processor]) -> None:
 
     for index, (stage, process) in enumerate(processors):
         before = [name for name, _ in processors[:index]]
-        makes = [name for name in before if name in MAKES_VARIANTS]
-        if getattr(process, "variant", None) == "recommended" and makes and (
-                "report" not in before[before.index(makes[-1]):]):
+        last = max((i for i, name in enumerate(before) if name in MAKES_VARIANTS), default=None)
+        if getattr(process, "variant", None) == "recommended" and last is not None and (
+                "report" not in before[last + 1:]):
             raise UsageError(f"{stage} of the recommended variant needs a report after "
-                             f"{makes[-1]} in this chain: pipeline {' '.join(before)} report "
+                             f"{before[last]} in this chain: pipeline {' '.join(before)} report "
                              f"{stage} ..., or name a variant with --variant")
 
 

@@ -153,6 +153,8 @@ def _remove_made(folders: list[Path]) -> None:
     for folder in reversed(folders):  # the innermost first, each only while it is empty
         try:
             folder.rmdir()
+        except FileNotFoundError:  # never made: mkdir stopped before it
+            continue
         except OSError:
             return
 

@@ -130,7 +130,7 @@ def _models_table(report: dict) -> list[str]:
     cpu_rows = on_device(rows, "cpu")  # the GPU rows are timed in sessions of their own
     timing = cpu_rows[0]["latency_ms"][big]
     calls = [r["latency_ms"][big]["calls"] for r in cpu_rows]
-    waited = max(r["latency_ms"][big].get("idle_wait_ms_max", 0.0) for r in cpu_rows)
+    waited = max(r["latency_ms"][b].get("idle_wait_ms_max", 0.0) for r in cpu_rows for b in sizes)
     on_gpu = (f", the GPU rows' in {gpu_rows[0]['latency_ms'][big]['rounds']} rounds of "
               "their own" if gpu_rows else "")
     lines += ["", f"Speed-ups are ratios of p50 latencies measured in the same "

@@ -206,15 +206,17 @@ def _serve(requests, answers, buffer, parent: int | None) -> None:
     goes."""
     # Ctrl-C reaches the whole process group: an idle child (the report's, while predict runs
     # after it in a chain) printed KeyboardInterrupt's traceback beside the parent's one line.
-    # The parent ends the child itself (call) when it is interrupted.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ignored while idle only (processes started from a call inherit no SIG_IGN); the parent
+    # ends a child at work itself (call) when it is interrupted.
     if parent is not None:
         _end_with(parent)
     while True:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             request = requests.recv()
         except EOFError:
             return
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         if request is None:
             return
         target, args = request

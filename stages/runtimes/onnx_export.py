@@ -160,10 +160,18 @@ def _drop_weight_value_info(graph) -> None:
     graph.value_info.extend(kept)
 
 
-def check_onnx(path: Path) -> None:
-    """A converter's output that onnx.checker refuses costs that variant (NotMade), not the
-    stage: the exporter or quantizer could not write this model."""
+def check_onnx(path: Path, made_by: str | None = None) -> None:
+    """A file onnx.checker refuses: where a converter (``made_by``) wrote it as it is, that
+    converter could not write this model, which costs the variant (NotMade); after our own
+    rewrites (None) it is our error, the stage's."""
     import onnx
 
-    with converter_errors(f"onnx.checker on {path.name}", path):
+    if made_by:
+        with converter_errors(f"{made_by} (onnx.checker on {path.name})", path):
+            onnx.checker.check_model(str(path), full_check=True)
+        return
+    try:
         onnx.checker.check_model(str(path), full_check=True)
+    except Exception as exc:
+        raise PipelineError(f"{path} fails onnx.checker: {str(exc).splitlines()[0][:300]}; "
+                            "please report this with --debug output") from exc

@@ -229,7 +229,7 @@ def _finish(ctx, name: str, made: Path, source: str, info: dict) -> dict:
     path = ctx.folder / f"{name}.onnx"
     with atomic_path(path) as tmp:
         shutil.copyfile(made, tmp)
-    onnx_export.check_onnx(path)
+    onnx_export.check_onnx(path, made_by="ONNX Runtime's quantizer")
     images = ctx.check_images()
     written = ort_predict(ort_session(path, threads=1), images)
     info[f"parity_vs_{source.replace('-', '_')}"] = compare_logits(ctx.logits_of(source, images),

@@ -305,6 +305,7 @@ def test_a_compare_run_that_does_not_exist_is_refused_before_the_report_starts(t
                           "--variant"),
     (["report", "quantize", "predict", "{empty}"], "predict of the recommended variant needs a "
                                                    "report after quantize in this chain"),
+    (["quantize", "report", "quantize", "predict", "{empty}"], "needs a report after quantize"),
 ])
 def test_what_ends_a_chain_checks_its_input_before_the_chain_trains(tmp_path, monkeypatch,
                                                                      last, needle):

@@ -309,6 +309,12 @@ def test_what_a_killed_export_left_in_an_empty_out_dir_is_named(tmp_path):
     (tmp_path / "out" / ".cache").mkdir()  # a user's own: not taken for one
     with pytest.raises(UsageError, match="already exists and is not an empty folder"):
         check_out_dir(tmp_path / "out")
+    # A mkdir stopped part way: what it made goes, what it never made is passed over.
+    from stages.export import _remove_made
+
+    (tmp_path / "new").mkdir()
+    _remove_made([tmp_path / "new", tmp_path / "new" / "never"])
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_disk_that_fills_at_the_stages_last_status_write_marks_it_failed(tmp_path,

@@ -71,7 +71,7 @@ def qat_openvino_refusing(doing, config, run, names):
     from stages.runtimes import openvino, qat
 
     def refuses(*_, **__):
-        raise NotMade("OpenVINO cannot compile the model: a test's refusal")
+        raise NotMade("OpenVINO's compile_model failed: a test's refusal")
 
     real = qat.parity_with_torch_qat
     qat.parity_with_torch_qat = lambda name, reference, logits: real(
