@@ -206,21 +206,22 @@ def _serve(requests, answers, buffer, parent: int | None) -> None:
     goes."""
     # Ctrl-C reaches the whole process group: an idle child (the report's, while predict runs
     # after it in a chain) printed KeyboardInterrupt's traceback beside the parent's one line.
-    # Ignored while idle only (processes started from a call inherit no SIG_IGN); the parent
-    # ends a child at work itself (call) when it is interrupted.
+    # Ignored while idle only (processes started from a call inherit no SIG_IGN), from before
+    # each answer is sent; the parent ends a child at work itself (call) when it is interrupted.
     if parent is not None:
         _end_with(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             request = requests.recv()
         except EOFError:
             return
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         if request is None:
             return
         target, args = request
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         result = _result(target, buffer, args)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             answers.send(result)
         except Exception as exc:  # an exception (or result) that cannot be pickled
