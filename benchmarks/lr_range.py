@@ -62,7 +62,7 @@ def main() -> None:
             print(f"| {model} | {row['error']} | | | | {row['seconds']:.0f} |", flush=True)
             continue
         # What train --lr auto would use: the curve's choice under the ceiling per image.
-        used = min(row["chosen"], lr_range.CEILING_PER_256 * row["batch_size"] / 256)
+        used = min(row["chosen"], lr_range.ceiling(row["batch_size"]))
         print(f"| {model} | {row['minimum']:.3g} | {row['steepest']:.3g} | {used:.3g} "
               f"({row['chosen']:.3g}) "
               f"| {row['steps']} | {row['seconds']:.0f} |", flush=True)

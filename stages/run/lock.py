@@ -12,7 +12,7 @@ from stages.run.errors import PipelineError, UsageError
 LOCK_NAME = ".lock"
 # The lock's descriptors this process holds. flock belongs to the open file, which a forked
 # child (a DataLoader worker) shares: a holder killed with SIGKILL left the run locked until its
-# workers noticed, seconds later. A forked child closes its copies at once.
+# workers exited too. A forked child closes its copies at once.
 _HELD: set[int] = set()
 
 

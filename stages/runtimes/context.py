@@ -237,7 +237,7 @@ class QuantContext:
                                 "please report this with --debug output")
         self._loaded.pop(name, None)
         # A variant made again replaces its listed file here: an interrupt before the manifest
-        # lists the new one (hashing a large file takes a while) had left a mismatch that made
+        # lists the new one (it hashes the file first) had left a mismatch that made
         # the report refuse the run. The files are moved weights first (an .xml never points
         # at a missing .bin), the folder synced, then listed, with SIGINT and SIGTERM held.
         with signals.deferred(signal.SIGINT, signal.SIGTERM):

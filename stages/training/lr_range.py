@@ -114,6 +114,11 @@ class NeverFell(PipelineError):
         self.detail = detail
 
 
+def ceiling(batch: int) -> float:
+    """The highest peak learning rate --lr auto takes at ``batch`` images a step."""
+    return CEILING_PER_256 * batch / 256
+
+
 def peak_lr(config, splits, precision, device, run, saved: dict) -> tuple[float, str]:
     """(the peak learning rate, how it was found): --lr as given, or found by a range test
     under the precision and batch size training will use, once per run (a resume reads both
@@ -160,7 +165,7 @@ def peak_lr(config, splits, precision, device, run, saved: dict) -> tuple[float,
                                             "rates are probed")
             return probed_rate(config, splits, precision, device, again)
     world = distributed.current()
-    curve["ceiling"] = CEILING_PER_256 * batch / 256
+    curve["ceiling"] = ceiling(batch)
     curve["uncapped"], curve["capped"] = curve["chosen"], curve["chosen"] > curve["ceiling"]
     curve["chosen"] = min(curve["chosen"], curve["ceiling"])
     if world.is_main:

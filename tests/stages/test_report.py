@@ -103,8 +103,7 @@ def test_a_bf16_float_variant_is_the_fastest_float_and_the_fastest_fp32_is_named
             _row("onnx-fp32", [5.0] * 6, 0.0, int8=False) | {"precision": "fp32"},
             _row("openvino-bf16", [4.0] * 6, 0.0, int8=False) | {"precision": "bf16"},
             _row("openvino-int8", [2.0] * 6, 0.0) | {"precision": "int8"}]
-    recommendation.speedups(rows, "fp32", 1.0)
-    v = recommendation.verdict(rows, "fp32", budget_points=1.0)
+    v = _judged(rows, "fp32")
     choice = v["per_batch_size"]["32"]
     assert (v["recommended"], choice["best_float"]) == ("openvino-int8", "openvino-bf16")
     assert choice["speedup_vs_best_fp32"]["best_fp32"] == "onnx-fp32"
@@ -134,8 +133,7 @@ def test_the_fastest_float_is_one_within_the_accuracy_budget():
             _row("onnx-fp32", [5.0] * 6, 0.0, int8=False) | {"precision": "fp32"},
             _row("openvino-bf16", [2.0] * 6, 3.0, int8=False) | {"precision": "bf16"},
             _row("openvino-int8", [2.5] * 6, 0.0) | {"precision": "int8"}]
-    recommendation.speedups(rows, "fp32", budget_points=1.0)
-    v = recommendation.verdict(rows, "fp32", budget_points=1.0)
+    v = _judged(rows, "fp32")
     choice = v["per_batch_size"]["32"]
     assert (v["recommended"], choice["best_float"]) == ("openvino-int8", "onnx-fp32")
     assert v["speedup_vs_best_float"] == pytest.approx(2.0)
@@ -145,8 +143,7 @@ def test_the_fastest_float_is_one_within_the_accuracy_budget():
             _row("fp32", [8.0] * 6, 2.0, int8=False) | {"precision": "fp32"},
             _row("onnx-fp32", [5.0] * 6, 2.0, int8=False) | {"precision": "fp32"},
             _row("openvino-int8", [2.5] * 6, 0.0) | {"precision": "int8"}]
-    recommendation.speedups(rows, "amp", budget_points=1.0)
-    v = recommendation.verdict(rows, "amp", budget_points=1.0)
+    v = _judged(rows, "amp")
     choice = v["per_batch_size"]["32"]
     assert (choice["best_float"], choice["speedup_vs_best_fp32"]["best_fp32"]) == (
         "amp", "onnx-fp32")
@@ -205,8 +202,7 @@ def test_where_validation_and_test_disagree_validation_decides():
             _row("onnx-fp32", [5.0] * 6, 0.0, int8=False),
             _row("torch-static", [1.0] * 6, 3.0, test_drop=0.0),
             _row("ort-static", [2.0] * 6, 0.2, test_drop=5.0)]
-    recommendation.speedups(rows, "fp32", 1.0)
-    v = recommendation.verdict(rows, "fp32", budget_points=1.0)
+    v = _judged(rows, "fp32")
     assert v["recommended"] == "ort-static"
     assert v["validation_change_points"] == pytest.approx(-0.2)
     assert v["accuracy_change_points"] == pytest.approx(-5.0)
@@ -313,6 +309,12 @@ def test_each_pair_of_variants_is_compared_once():
     assert len(diagnosis.parity_warnings(measuring.parity(manifest, logits))) == 1
 
 
+def _judged(rows, reference, budget_points=1.0):
+    """The verdict on ``rows`` (made by _row) after their speed-ups, as the report makes it."""
+    recommendation.speedups(rows, reference, budget_points)
+    return recommendation.verdict(rows, reference, budget_points)
+
+
 def _row(name, p50_rounds, validation_drop, test_drop=0.0, int8=True, size=1.0,
          worst_drop=None):
     """A report row with per-round timings (ms) at batch 32 and accuracy changes in points;
@@ -336,8 +338,7 @@ def test_verdict_ranks_by_validation_budget_and_says_within_noise():
             _row("torch-static", [2.0] * 6, 3.0, test_drop=0.0),   # fastest, misses the budget
             _row("ort-static", [2.5, 2.6, 2.4, 2.5, 2.6, 2.4], 0.5),
             _row("openvino-int8", [2.6, 2.5, 2.55, 2.65, 2.45, 2.55], 0.2)]  # p50 2.55
-    recommendation.speedups(rows, "fp32", 1.0)
-    v = recommendation.verdict(rows, "fp32", budget_points=1.0)
+    v = _judged(rows, "fp32")
     assert v["recommended"] == "ort-static"  # the lower p50 within the budget
     choice = v["per_batch_size"]["32"]
     assert choice["best_float"] == "onnx-fp32"
@@ -356,8 +357,7 @@ def test_a_drop_measured_within_the_budget_that_the_images_cannot_vouch_for_is_n
     rows = [_row("fp32", [10.0] * 6, 0.0, int8=False),
             _row("torch-static", [2.0] * 6, 0.4, worst_drop=1.6),
             _row("ort-static", [3.0] * 6, 0.5, worst_drop=0.9)]
-    recommendation.speedups(rows, "fp32", 1.0)
-    v = recommendation.verdict(rows, "fp32", budget_points=1.0)
+    v = _judged(rows, "fp32")
     assert v["recommended"] == "ort-static"
     assert v["validation_change_points"] == pytest.approx(-0.5)
     assert v["validation_worst_change_points"] == pytest.approx(-0.9)
@@ -370,8 +370,7 @@ def test_the_recommendation_is_for_the_largest_batch_whatever_order_they_were_li
     for row in rows:  # batch 1 listed after batch 32, where ort-static is the slower
         row["latency_ms"]["1"] = timing.Timing([[5.0 if row["int8"] else 1.0] * 4] * 6).summary(
             ) | {"rounds_ms": [[5.0 if row["int8"] else 1.0] * 4] * 6}
-    recommendation.speedups(rows, "fp32", 1.0)
-    v = recommendation.verdict(rows, "fp32", budget_points=1.0)
+    v = _judged(rows, "fp32")
     assert v["batch_size"] == 32 and v["recommended"] == "ort-static"
     assert v["per_batch_size"]["1"]["recommended"] == "fp32"
 
